@@ -1,0 +1,102 @@
+// Blocks, the free-block index and the arena blocks live in. Internal to the allocator.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "absl/container/btree_set.h"
+#include "absl/container/inlined_vector.h"
+#include "allocator/backend.h"
+#include "allocator/history.h"
+#include "allocator/size_policy.h"
+
+namespace spillway {
+
+// A contiguous range of one segment. A segment starts as one block and is split and re-merged;
+// `prev`/`next` link the blocks of a segment in address order.
+struct Block {
+  uintptr_t ptr = 0;
+  size_t size = 0;
+  size_t requested = 0;  // caller's size while allocated
+  StreamRef stream;      // allocation stream: the only stream it is reused on
+  PoolKind pool = PoolKind::kSmall;
+  Block* prev = nullptr;
+  Block* next = nullptr;
+  bool allocated = false;
+  int event_count = 0;  // stream-use events still pending after a free
+  absl::InlinedVector<StreamRef, 1> stream_uses;
+  TraceContext context;  // gathered at allocation when history is on
+
+  bool is_split() const { return prev != nullptr || next != nullptr; }
+  bool is_free() const { return !allocated && event_count == 0; }
+};
+
+// Key of a free block. Ordered by (stream, size, address) so that `lower_bound` finds the
+// smallest block of the right stream that fits: best fit in O(log n), no pointer chasing in the
+// comparator.
+struct FreeKey {
+  uint64_t stream;
+  size_t size;
+  uintptr_t ptr;
+  Block* block;
+
+  friend bool operator<(const FreeKey& a, const FreeKey& b) {
+    return std::tie(a.stream, a.size, a.ptr) < std::tie(b.stream, b.size, b.ptr);
+  }
+};
+
+class FreeIndex {
+ public:
+  void Insert(Block* b) { set_.insert(FreeKey{b->stream.id, b->size, b->ptr, b}); }
+  void Erase(const Block* b) { set_.erase(FreeKey{b->stream.id, b->size, b->ptr, nullptr}); }
+  // Smallest free block on `stream` with size >= `size`, or null.
+  Block* BestFit(uint64_t stream, size_t size) const {
+    auto it = set_.lower_bound(FreeKey{stream, size, 0, nullptr});
+    if (it == set_.end() || it->stream != stream) return nullptr;
+    return it->block;
+  }
+  // Next larger candidate after `b` on the same stream, or null.
+  Block* NextOnStream(const Block* b) const {
+    auto it = set_.upper_bound(FreeKey{b->stream.id, b->size, b->ptr, nullptr});
+    if (it == set_.end() || it->stream != b->stream.id) return nullptr;
+    return it->block;
+  }
+  size_t size() const { return set_.size(); }
+  template <typename Fn>
+  void ForEach(Fn fn) const {
+    for (const FreeKey& k : set_) fn(k.block);
+  }
+
+ private:
+  absl::btree_set<FreeKey> set_;
+};
+
+// Recycles Block objects in chunks so the hot path never touches the system heap.
+class BlockArena {
+ public:
+  Block* New() {
+    if (free_.empty()) Grow();
+    Block* b = free_.back();
+    free_.pop_back();
+    return b;
+  }
+  void Delete(Block* b) {
+    *b = Block{};
+    free_.push_back(b);
+  }
+
+ private:
+  static constexpr size_t kChunk = 256;
+  void Grow() {
+    chunks_.push_back(std::make_unique<Block[]>(kChunk));
+    Block* chunk = chunks_.back().get();
+    for (size_t i = kChunk; i > 0; --i) free_.push_back(&chunk[i - 1]);
+  }
+  std::vector<std::unique_ptr<Block[]>> chunks_;
+  std::vector<Block*> free_;
+};
+
+}  // namespace spillway

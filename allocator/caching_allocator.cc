@@ -1,0 +1,187 @@
+#include "allocator/caching_allocator.h"
+
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "allocator/errors.h"
+#include "allocator/format.h"
+
+namespace spillway {
+
+std::string_view BlockStateName(BlockState state) {
+  switch (state) {
+    case BlockState::kActiveAllocated: return "active_allocated";
+    case BlockState::kActivePendingFree: return "active_pending_free";
+    case BlockState::kInactive: return "inactive";
+  }
+  return "inactive";
+}
+
+CachingAllocator::CachingAllocator(std::shared_ptr<Backend> backend, AllocatorConfig config)
+    : backend_(std::move(backend)), config_(std::move(config)) {
+  if (backend_ == nullptr) throw InvalidArgumentError("CachingAllocator needs a backend, got null");
+  const int count = backend_->device_count();
+  devices_.reserve(static_cast<size_t>(count));
+  for (int d = 0; d < count; ++d) {
+    devices_.push_back(
+        std::make_unique<DeviceAllocator>(*backend_, d, config_, [this] { return Callbacks(); }));
+  }
+}
+
+DeviceAllocator& CachingAllocator::At(int device) const {
+  if (device < 0 || device >= device_count()) {
+    throw InvalidArgumentError(absl::StrFormat(
+        "device index %d is out of range: the %s backend has %d device(s), valid indices are "
+        "0..%d",
+        device, backend_->name(), device_count(), device_count() - 1));
+  }
+  return *devices_[static_cast<size_t>(device)];
+}
+
+TraceContext CachingAllocator::GatherContext() const {
+  if (!recording_.load(std::memory_order_relaxed)) return nullptr;
+  ContextGatherer gatherer;
+  {
+    std::lock_guard lock(gatherer_mutex_);
+    gatherer = gatherer_;
+  }
+  return gatherer ? gatherer() : nullptr;
+}
+
+void* CachingAllocator::Malloc(size_t size, int device, StreamRef stream) {
+  DeviceAllocator& allocator = At(device);
+  if (size == 0) return nullptr;
+  if (size > kMaxRequest) {
+    throw InvalidArgumentError(absl::StrFormat(
+        "allocation of %d bytes (%s) on device %d is larger than any device: Spillway accepts "
+        "sizes up to %d bytes (%s)",
+        size, FormatBytes(size), device, kMaxRequest, FormatBytes(kMaxRequest)));
+  }
+  bool over_watermark = false;
+  void* ptr = allocator.Malloc(size, stream, GatherContext(), &over_watermark);
+  if (over_watermark) {
+    PressureHandler handler;
+    {
+      std::lock_guard lock(pressure_mutex_);
+      handler = pressure_handler_;
+    }
+    if (handler) handler(device);
+  }
+  return ptr;
+}
+
+void CachingAllocator::SetPressureHandler(PressureHandler handler) {
+  std::lock_guard lock(pressure_mutex_);
+  pressure_handler_ = std::move(handler);
+}
+
+void CachingAllocator::SetWatermark(int device, size_t bytes) { At(device).SetWatermark(bytes); }
+
+void* CachingAllocator::Malloc(size_t size, int device, StreamHandle stream) {
+  At(device);  // validate before asking the backend about the stream
+  return Malloc(size, device, backend_->resolve_stream(device, stream));
+}
+
+void CachingAllocator::Free(void* ptr, int device) {
+  if (ptr == nullptr) return;
+  DeviceAllocator& allocator = At(device);
+  if (allocator.Free(ptr, GatherContext())) return;
+  Free(ptr);  // not on that device: search the others, or explain what the pointer is
+}
+
+void CachingAllocator::Free(void* ptr) {
+  if (ptr == nullptr) return;
+  const TraceContext context = GatherContext();
+  for (const auto& device : devices_) {
+    if (device->Free(ptr, context)) return;
+  }
+  std::string what;
+  for (const auto& device : devices_) {
+    what = device->DescribeForeign(ptr);
+    if (!what.empty()) break;
+  }
+  if (what.empty()) {
+    what = absl::StrFormat("%p was not allocated by Spillway (no segment contains it)", ptr);
+  }
+  throw InvalidArgumentError("free: " + what);
+}
+
+void CachingAllocator::RecordStream(void* ptr, StreamRef stream) {
+  for (const auto& device : devices_) {
+    if (device->RecordStream(ptr, stream)) return;
+  }
+  throw InvalidArgumentError(absl::StrFormat(
+      "record_stream: %p is not a live allocation of Spillway (freed already, or foreign)", ptr));
+}
+
+std::optional<AllocationInfo> CachingAllocator::Lookup(const void* ptr) const {
+  for (const auto& device : devices_) {
+    if (auto info = device->Lookup(ptr)) return info;
+  }
+  return std::nullopt;
+}
+
+void CachingAllocator::EmptyCache() {
+  for (const auto& device : devices_) device->EmptyCache();
+}
+
+void CachingAllocator::SetMemoryFraction(double fraction, int device) {
+  At(device).SetMemoryFraction(fraction);
+}
+
+void CachingAllocator::SetMemoryLimit(size_t bytes, int device) { At(device).SetMemoryLimit(bytes); }
+
+size_t CachingAllocator::memory_limit(int device) const { return At(device).memory_limit(); }
+
+DeviceStats CachingAllocator::stats(int device) const { return At(device).stats(); }
+
+void CachingAllocator::ResetPeakStats(int device) { At(device).ResetPeakStats(); }
+
+void CachingAllocator::ResetAccumulatedStats(int device) { At(device).ResetAccumulatedStats(); }
+
+size_t CachingAllocator::LargestFreeBlock(int device) const { return At(device).LargestFreeBlock(); }
+
+void CachingAllocator::ProcessEvents(int device) { At(device).ProcessEvents(); }
+
+void CachingAllocator::RecordHistory(bool enabled, size_t max_entries, ContextGatherer gatherer) {
+  {
+    std::lock_guard lock(gatherer_mutex_);
+    gatherer_ = enabled ? std::move(gatherer) : ContextGatherer{};
+  }
+  const size_t entries = max_entries == 0 ? config_.history_entries : max_entries;
+  for (const auto& device : devices_) device->RecordHistory(enabled, entries);
+  recording_.store(enabled, std::memory_order_relaxed);
+}
+
+Snapshot CachingAllocator::TakeSnapshot() const {
+  Snapshot snapshot;
+  for (const auto& device : devices_) {
+    std::vector<SegmentSnapshot> segments = device->SnapshotSegments();
+    for (SegmentSnapshot& s : segments) snapshot.segments.push_back(std::move(s));
+    snapshot.device_traces.push_back(device->history());
+  }
+  return snapshot;
+}
+
+uint64_t CachingAllocator::AddFreeMemoryCallback(FreeMemoryCallback callback) {
+  if (!callback) throw InvalidArgumentError("AddFreeMemoryCallback: the callback is empty");
+  std::lock_guard lock(callbacks_mutex_);
+  const uint64_t id = next_callback_id_++;
+  callbacks_.emplace(id, std::move(callback));
+  return id;
+}
+
+void CachingAllocator::RemoveFreeMemoryCallback(uint64_t id) {
+  std::lock_guard lock(callbacks_mutex_);
+  callbacks_.erase(id);
+}
+
+std::vector<FreeMemoryCallback> CachingAllocator::Callbacks() const {
+  std::lock_guard lock(callbacks_mutex_);
+  std::vector<FreeMemoryCallback> out;
+  out.reserve(callbacks_.size());
+  for (const auto& [id, callback] : callbacks_) out.push_back(callback);
+  return out;
+}
+
+}  // namespace spillway

@@ -1,0 +1,100 @@
+// Spillway's caching allocator: one `DeviceAllocator` per device behind a front that checks
+// arguments, resolves streams and devices, gathers trace contexts outside the device locks and
+// owns the out-of-memory callbacks. No torch here; the PyTorch adapters and the C ABI wrap it.
+//
+// Size 0: `Malloc(0, ...)` returns nullptr and allocates nothing; `Free(nullptr)` is a no-op.
+// This matches PyTorch, which never dereferences a zero-byte storage's pointer.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "allocator/backend.h"
+#include "allocator/config.h"
+#include "allocator/device_allocator.h"
+#include "allocator/snapshot.h"
+#include "allocator/stats.h"
+
+namespace spillway {
+
+class CachingAllocator {
+ public:
+  CachingAllocator(std::shared_ptr<Backend> backend, AllocatorConfig config);
+  CachingAllocator(const CachingAllocator&) = delete;
+  CachingAllocator& operator=(const CachingAllocator&) = delete;
+
+  // Allocates on `device` for use on `stream`. Throws InvalidArgumentError for a bad device or a
+  // size above kMaxRequest, OutOfMemoryError when even the out-of-memory ladder fails.
+  void* Malloc(size_t size, int device, StreamRef stream);
+  // Same, resolving a raw stream handle (null = the device's default stream) through the backend.
+  void* Malloc(size_t size, int device, StreamHandle stream);
+  // Frees `ptr`. Throws InvalidArgumentError naming what `ptr` is when it is not a live
+  // allocation (foreign pointer, double free, interior pointer).
+  void Free(void* ptr);
+  void Free(void* ptr, int device);  // faster when the caller knows the device
+  void RecordStream(void* ptr, StreamRef stream);
+  std::optional<AllocationInfo> Lookup(const void* ptr) const;
+
+  void EmptyCache();
+  void SetMemoryFraction(double fraction, int device);
+  void SetMemoryLimit(size_t bytes, int device);
+  size_t memory_limit(int device) const;
+
+  DeviceStats stats(int device) const;
+  std::map<std::string, int64_t> FlatStats(int device) const { return FlattenStats(stats(device)); }
+  void ResetPeakStats(int device);
+  void ResetAccumulatedStats(int device);
+  size_t LargestFreeBlock(int device) const;
+  void ProcessEvents(int device);
+
+  // History. `max_entries` 0 means the configured `history_entries`. The gatherer (may be
+  // empty) runs outside every allocator lock at each allocation and free while recording is on.
+  void RecordHistory(bool enabled, size_t max_entries = 0, ContextGatherer gatherer = {});
+  Snapshot TakeSnapshot() const;
+
+  // Memory pressure: after a Malloc leaves `device`'s allocated bytes above its watermark, the
+  // handler runs (outside every allocator lock, in the allocating thread). The offload engine
+  // uses it to hold allocated bytes under its budget. SIZE_MAX disables.
+  using PressureHandler = std::function<void(int device)>;
+  void SetPressureHandler(PressureHandler handler);
+  void SetWatermark(int device, size_t bytes);
+
+  // Out-of-memory ladder step: see FreeMemoryCallback. Returns an id for removal.
+  uint64_t AddFreeMemoryCallback(FreeMemoryCallback callback);
+  void RemoveFreeMemoryCallback(uint64_t id);
+
+  Backend& backend() const { return *backend_; }
+  const std::shared_ptr<Backend>& shared_backend() const { return backend_; }
+  int device_count() const { return static_cast<int>(devices_.size()); }
+  const AllocatorConfig& config() const { return config_; }
+
+ private:
+  DeviceAllocator& At(int device) const;
+  TraceContext GatherContext() const;
+  std::vector<FreeMemoryCallback> Callbacks() const;
+
+  const std::shared_ptr<Backend> backend_;
+  const AllocatorConfig config_;
+  std::vector<std::unique_ptr<DeviceAllocator>> devices_;
+
+  std::atomic<bool> recording_{false};
+  mutable std::mutex gatherer_mutex_;
+  ContextGatherer gatherer_;
+
+  mutable std::mutex pressure_mutex_;
+  PressureHandler pressure_handler_;
+
+  mutable std::mutex callbacks_mutex_;
+  std::map<uint64_t, FreeMemoryCallback> callbacks_;
+  uint64_t next_callback_id_ = 1;
+};
+
+}  // namespace spillway

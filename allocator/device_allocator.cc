@@ -1,0 +1,516 @@
+#include "allocator/device_allocator.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "allocator/errors.h"
+#include "allocator/format.h"
+
+namespace spillway {
+
+DeviceAllocator::DeviceAllocator(Backend& backend, int device, const AllocatorConfig& config,
+                                 FreeMemoryCallbacksFn callbacks)
+    : backend_(backend),
+      device_(device),
+      policy_(config),
+      gc_threshold_(config.garbage_collection_threshold),
+      callbacks_(std::move(callbacks)),
+      total_memory_(backend.mem_info(device).total_bytes),
+      memory_fraction_(config.per_process_memory_fraction),
+      memory_limit_bytes_(config.memory_limit_bytes) {
+  limit_ = ComputeLimit();
+}
+
+DeviceAllocator::~DeviceAllocator() {
+  // The owner is going away: wait for outstanding stream uses, then hand every segment back,
+  // allocated or not. Errors are swallowed because a destructor cannot report them and the
+  // backend reclaims its memory on its own destruction anyway.
+  std::lock_guard lock(mutex_);
+  try {
+    for (auto& [stream, queue] : pending_) {
+      for (const Pending& p : queue) backend_.synchronize_event(device_, p.event);
+      for (const Pending& p : queue) spare_events_.push_back(p.event);
+    }
+    pending_.clear();
+    for (const auto& [base, segment] : segments_) backend_.device_free(device_, reinterpret_cast<void*>(base));
+    for (EventHandle e : spare_events_) backend_.destroy_event(device_, e);
+  } catch (const std::exception&) {
+  }
+}
+
+size_t DeviceAllocator::ComputeLimit() const {
+  size_t limit = memory_limit_bytes_;
+  if (memory_fraction_ > 0.0) {
+    const auto from_fraction = static_cast<size_t>(memory_fraction_ * static_cast<double>(total_memory_));
+    limit = limit == 0 ? from_fraction : std::min(limit, from_fraction);
+  }
+  return limit;
+}
+
+void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext context,
+                              bool* over_watermark) {
+  std::unique_lock lock(mutex_);
+  ProcessEventsLocked();
+  const size_t rounded = policy_.RoundSize(size);
+  const PoolKind kind = SizePolicy::PoolFor(rounded);
+  const size_t segment_size = SizePolicy::SegmentSize(rounded);
+
+  Block* block = FindFree(kind, stream, rounded);
+  if (block == nullptr) {
+    GarbageCollect(segment_size);
+    block = AllocSegment(kind, stream, segment_size);
+  }
+  if (block == nullptr && callbacks_) {
+    // Out-of-memory ladder, step 1: ask the registered holders (the offload engine) to give
+    // memory back. They free through this allocator, so the lock must not be held.
+    const std::vector<FreeMemoryCallback> callbacks = callbacks_();
+    if (!callbacks.empty()) {
+      lock.unlock();
+      size_t released = 0;
+      for (const FreeMemoryCallback& callback : callbacks) {
+        released += callback(device_, segment_size);
+        if (released >= segment_size) break;
+      }
+      lock.lock();
+      ProcessEventsLocked();
+      block = FindFree(kind, stream, rounded);
+      if (block == nullptr) block = AllocSegment(kind, stream, segment_size);
+    }
+  }
+  if (block == nullptr) {
+    // Step 2: wait for every pending stream use, give all wholly free cached segments back to
+    // the backend, and retry.
+    SynchronizeAllEvents();
+    ReleaseCachedSegments(std::numeric_limits<size_t>::max());
+    ++stats_.num_alloc_retries;
+    block = FindFree(kind, stream, rounded);
+    if (block == nullptr) block = AllocSegment(kind, stream, segment_size);
+  }
+  if (block == nullptr) ThrowOutOfMemory(size, rounded);
+  void* ptr = UseBlock(block, rounded, size, std::move(context));
+  *over_watermark = static_cast<size_t>(stats_.allocated_bytes.all().current) >
+                    watermark_.load(std::memory_order_relaxed);
+  return ptr;
+}
+
+Block* DeviceAllocator::FindFree(PoolKind kind, StreamRef stream, size_t size) {
+  FreeIndex& index = pool(kind);
+  Block* block = index.BestFit(stream.id, size);
+  // The best fit is the smallest candidate; if it breaks an oversize rule so does every larger one.
+  if (block == nullptr || !policy_.AcceptsBlock(block->size, size)) return nullptr;
+  index.Erase(block);
+  return block;
+}
+
+Block* DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t segment_size) {
+  const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
+  if (limit_ != 0 && reserved + segment_size > limit_) return nullptr;
+  absl::StatusOr<void*> memory = backend_.device_malloc(device_, segment_size);
+  if (!memory.ok()) {
+    if (absl::IsResourceExhausted(memory.status())) return nullptr;
+    throw BackendError("device_malloc", std::string(memory.status().message()));
+  }
+  Block* block = arena_.New();
+  block->ptr = reinterpret_cast<uintptr_t>(*memory);
+  block->size = segment_size;
+  block->stream = stream;
+  block->pool = kind;
+  segments_[block->ptr] = Segment{segment_size, kind, clock_, block};
+  ++clock_;
+  stats_.segment.Increase(kind, 1);
+  stats_.reserved_bytes.Increase(kind, static_cast<int64_t>(segment_size));
+  ++stats_.num_device_alloc;
+  Trace(TraceAction::kSegmentAlloc, block->ptr, segment_size, stream.id, nullptr);
+  return block;
+}
+
+void* DeviceAllocator::UseBlock(Block* block, size_t rounded, size_t requested,
+                                TraceContext context) {
+  const PoolKind kind = block->pool;
+  const bool already_split = block->is_split();
+  if (policy_.ShouldSplit(kind, block->size, rounded)) {
+    // The allocation keeps the front; the remainder goes back to the pool.
+    Block* rest = arena_.New();
+    rest->ptr = block->ptr + rounded;
+    rest->size = block->size - rounded;
+    rest->stream = block->stream;
+    rest->pool = kind;
+    rest->prev = block;
+    rest->next = block->next;
+    if (rest->next != nullptr) rest->next->prev = rest;
+    block->next = rest;
+    block->size = rounded;
+    pool(kind).Insert(rest);
+    if (already_split) {
+      stats_.inactive_split_bytes.Decrease(kind, static_cast<int64_t>(rounded));
+    } else {
+      stats_.inactive_split.Increase(kind, 1);
+      stats_.inactive_split_bytes.Increase(kind, static_cast<int64_t>(rest->size));
+    }
+  } else if (already_split) {
+    stats_.inactive_split.Decrease(kind, 1);
+    stats_.inactive_split_bytes.Decrease(kind, static_cast<int64_t>(block->size));
+  }
+  block->allocated = true;
+  block->requested = requested;
+  block->context = std::move(context);
+  allocated_[block->ptr] = block;
+  const auto size = static_cast<int64_t>(block->size);
+  stats_.allocation.Increase(kind, 1);
+  stats_.allocated_bytes.Increase(kind, size);
+  stats_.active.Increase(kind, 1);
+  stats_.active_bytes.Increase(kind, size);
+  stats_.requested_bytes.Increase(kind, static_cast<int64_t>(requested));
+  Trace(TraceAction::kAlloc, block->ptr, block->size, block->stream.id, block->context);
+  return reinterpret_cast<void*>(block->ptr);
+}
+
+bool DeviceAllocator::Free(void* ptr, TraceContext context) {
+  std::lock_guard lock(mutex_);
+  auto it = allocated_.find(reinterpret_cast<uintptr_t>(ptr));
+  if (it == allocated_.end()) return false;
+  Block* block = it->second;
+  allocated_.erase(it);
+  block->allocated = false;
+  stats_.allocation.Decrease(block->pool, 1);
+  stats_.allocated_bytes.Decrease(block->pool, static_cast<int64_t>(block->size));
+  Trace(TraceAction::kFreeRequested, block->ptr, block->size, block->stream.id, context);
+  if (block->stream_uses.empty()) {
+    FreeBlock(block);
+    return true;
+  }
+  // Reuse waits for every other stream that used the block: one event per stream, polled at
+  // the next Malloc. If an event cannot be recorded, wait for that stream on the host instead;
+  // if even that fails the block is quarantined (never reused) rather than risk corruption.
+  const auto uses = block->stream_uses;
+  block->stream_uses.clear();
+  for (const StreamRef& use : uses) {
+    EventHandle event = TakeEvent();
+    try {
+      backend_.record_event(device_, event, use.handle);
+    } catch (const BackendError&) {
+      spare_events_.push_back(event);
+      ++block->event_count;  // quarantine unless the host wait below succeeds
+      backend_.synchronize_stream(device_, use.handle);
+      --block->event_count;
+      continue;
+    }
+    pending_[use.id].push_back(Pending{event, block});
+    ++block->event_count;
+  }
+  if (block->event_count == 0) FreeBlock(block);
+  return true;
+}
+
+void DeviceAllocator::FreeBlock(Block* block) {
+  Trace(TraceAction::kFreeCompleted, block->ptr, block->size, block->stream.id, nullptr);
+  const PoolKind kind = block->pool;
+  FreeIndex& index = pool(kind);
+  stats_.active.Decrease(kind, 1);
+  stats_.active_bytes.Decrease(kind, static_cast<int64_t>(block->size));
+  stats_.requested_bytes.Decrease(kind, static_cast<int64_t>(block->requested));
+  block->requested = 0;
+  block->context.reset();
+
+  int64_t net_split_blocks = 0;
+  int64_t net_split_bytes = 0;
+  // Merge with a free next neighbour: `block` absorbs it.
+  if (Block* next = block->next; next != nullptr && next->is_free()) {
+    index.Erase(next);
+    net_split_blocks -= 1;
+    net_split_bytes -= static_cast<int64_t>(next->size);
+    block->size += next->size;
+    block->next = next->next;
+    if (block->next != nullptr) block->next->prev = block;
+    arena_.Delete(next);
+  }
+  // Merge with a free previous neighbour: it absorbs `block`, so a segment's head block object
+  // never changes.
+  if (Block* prev = block->prev; prev != nullptr && prev->is_free()) {
+    index.Erase(prev);
+    net_split_blocks -= 1;
+    net_split_bytes -= static_cast<int64_t>(prev->size);
+    prev->size += block->size;
+    prev->next = block->next;
+    if (prev->next != nullptr) prev->next->prev = prev;
+    arena_.Delete(block);
+    block = prev;
+  }
+  if (block->is_split()) {
+    net_split_blocks += 1;
+    net_split_bytes += static_cast<int64_t>(block->size);
+  } else {
+    segments_.at(block->ptr).freed_at = clock_;
+  }
+  if (net_split_blocks > 0) stats_.inactive_split.Increase(kind, net_split_blocks);
+  if (net_split_blocks < 0) stats_.inactive_split.Decrease(kind, -net_split_blocks);
+  if (net_split_bytes > 0) stats_.inactive_split_bytes.Increase(kind, net_split_bytes);
+  if (net_split_bytes < 0) stats_.inactive_split_bytes.Decrease(kind, -net_split_bytes);
+  index.Insert(block);
+}
+
+bool DeviceAllocator::ReleaseSegment(Block* block) {
+  if (block->is_split() || !block->is_free()) return false;
+  const PoolKind kind = block->pool;
+  pool(kind).Erase(block);
+  backend_.device_free(device_, reinterpret_cast<void*>(block->ptr));
+  segments_.erase(block->ptr);
+  stats_.segment.Decrease(kind, 1);
+  stats_.reserved_bytes.Decrease(kind, static_cast<int64_t>(block->size));
+  ++stats_.num_device_free;
+  Trace(TraceAction::kSegmentFree, block->ptr, block->size, block->stream.id, nullptr);
+  arena_.Delete(block);
+  return true;
+}
+
+void DeviceAllocator::ReleaseCachedSegments(size_t until_freed) {
+  size_t freed = 0;
+  std::vector<Block*> heads;
+  for (const auto& [base, segment] : segments_) {
+    if (!segment.head->is_split() && segment.head->is_free()) heads.push_back(segment.head);
+  }
+  for (Block* head : heads) {
+    if (freed >= until_freed) break;
+    const size_t size = head->size;
+    if (ReleaseSegment(head)) freed += size;
+  }
+}
+
+void DeviceAllocator::GarbageCollect(size_t incoming) {
+  if (gc_threshold_ <= 0.0 || limit_ == 0) return;
+  const auto target = static_cast<size_t>(gc_threshold_ * static_cast<double>(limit_));
+  auto reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
+  if (reserved + incoming <= target) return;
+  // Oldest wholly free segments first: they are the least likely to be wanted again soon.
+  std::vector<std::pair<int64_t, Block*>> candidates;
+  for (const auto& [base, segment] : segments_) {
+    if (!segment.head->is_split() && segment.head->is_free()) {
+      candidates.emplace_back(segment.freed_at, segment.head);
+    }
+  }
+  std::sort(candidates.begin(), candidates.end(),
+            [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (const auto& [age, head] : candidates) {
+    if (reserved + incoming <= target) break;
+    const size_t size = head->size;
+    if (ReleaseSegment(head)) reserved -= size;
+  }
+}
+
+bool DeviceAllocator::RecordStream(void* ptr, StreamRef stream) {
+  std::lock_guard lock(mutex_);
+  auto it = allocated_.find(reinterpret_cast<uintptr_t>(ptr));
+  if (it == allocated_.end()) return false;
+  Block* block = it->second;
+  if (stream.id == block->stream.id) return true;
+  for (const StreamRef& use : block->stream_uses) {
+    if (use.id == stream.id) return true;
+  }
+  block->stream_uses.push_back(stream);
+  return true;
+}
+
+std::optional<AllocationInfo> DeviceAllocator::Lookup(const void* ptr) const {
+  std::lock_guard lock(mutex_);
+  auto it = allocated_.find(reinterpret_cast<uintptr_t>(ptr));
+  if (it == allocated_.end()) return std::nullopt;
+  const Block* b = it->second;
+  return AllocationInfo{reinterpret_cast<void*>(b->ptr), b->size, b->requested, device_, b->stream};
+}
+
+std::string DeviceAllocator::DescribeForeign(const void* ptr) const {
+  std::lock_guard lock(mutex_);
+  const auto address = reinterpret_cast<uintptr_t>(ptr);
+  auto it = segments_.upper_bound(address);
+  if (it == segments_.begin()) return "";
+  --it;
+  const auto& [base, segment] = *it;
+  if (address >= base + segment.size) return "";
+  for (const Block* b = segment.head; b != nullptr; b = b->next) {
+    if (address < b->ptr || address >= b->ptr + b->size) continue;
+    if (address != b->ptr) {
+      return absl::StrFormat("%p points %d bytes into the %s block at %#x on device %d", ptr,
+                             address - b->ptr, b->allocated ? "allocated" : "free", b->ptr, device_);
+    }
+    return absl::StrFormat(
+        "%p is a %s block on device %d (double free, or a pointer freed already)", ptr,
+        b->event_count > 0 ? "free block awaiting stream events" : "free", device_);
+  }
+  return "";
+}
+
+void DeviceAllocator::EmptyCache() {
+  std::lock_guard lock(mutex_);
+  ProcessEventsLocked();
+  ReleaseCachedSegments(std::numeric_limits<size_t>::max());
+}
+
+void DeviceAllocator::SetMemoryFraction(double fraction) {
+  if (!(fraction >= 0.0 && fraction <= 1.0)) {
+    throw InvalidArgumentError(absl::StrFormat(
+        "memory fraction %g for device %d is out of range: expected a value in (0, 1], or 0 to "
+        "clear the limit",
+        fraction, device_));
+  }
+  std::lock_guard lock(mutex_);
+  memory_fraction_ = fraction;
+  limit_ = ComputeLimit();
+}
+
+void DeviceAllocator::SetMemoryLimit(size_t bytes) {
+  std::lock_guard lock(mutex_);
+  memory_limit_bytes_ = bytes;
+  limit_ = ComputeLimit();
+}
+
+size_t DeviceAllocator::memory_limit() const {
+  std::lock_guard lock(mutex_);
+  return limit_;
+}
+
+DeviceStats DeviceAllocator::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+void DeviceAllocator::ResetPeakStats() {
+  std::lock_guard lock(mutex_);
+  stats_.ResetPeak();
+}
+
+void DeviceAllocator::ResetAccumulatedStats() {
+  std::lock_guard lock(mutex_);
+  stats_.ResetAccumulated();
+}
+
+void DeviceAllocator::RecordHistory(bool enabled, size_t max_entries) {
+  std::lock_guard lock(mutex_);
+  if (enabled) {
+    history_.Enable(max_entries);
+  } else {
+    history_.Disable();
+  }
+}
+
+bool DeviceAllocator::history_enabled() const {
+  std::lock_guard lock(mutex_);
+  return history_.enabled();
+}
+
+std::vector<TraceEntry> DeviceAllocator::history() const {
+  std::lock_guard lock(mutex_);
+  return history_.Entries();
+}
+
+std::vector<SegmentSnapshot> DeviceAllocator::SnapshotSegments() const {
+  std::lock_guard lock(mutex_);
+  std::vector<SegmentSnapshot> out;
+  out.reserve(segments_.size());
+  for (const auto& [base, segment] : segments_) {
+    SegmentSnapshot s;
+    s.device = device_;
+    s.address = base;
+    s.total_size = segment.size;
+    s.stream = segment.head->stream.id;
+    s.pool = segment.pool;
+    for (const Block* b = segment.head; b != nullptr; b = b->next) {
+      BlockSnapshot bs;
+      bs.address = b->ptr;
+      bs.size = b->size;
+      bs.requested_size = b->allocated ? b->requested : 0;
+      bs.state = b->allocated           ? BlockState::kActiveAllocated
+                 : b->event_count > 0 ? BlockState::kActivePendingFree
+                                      : BlockState::kInactive;
+      bs.context = b->context;
+      if (b->allocated) s.allocated_size += b->size;
+      if (bs.state != BlockState::kInactive) s.active_size += b->size;
+      s.requested_size += bs.requested_size;
+      s.blocks.push_back(std::move(bs));
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+size_t DeviceAllocator::LargestFreeBlock() const {
+  std::lock_guard lock(mutex_);
+  return LargestFreeBlockLocked();
+}
+
+size_t DeviceAllocator::LargestFreeBlockLocked() const {
+  size_t largest = 0;
+  for (const FreeIndex& index : pools_) {
+    index.ForEach([&](const Block* b) { largest = std::max(largest, b->size); });
+  }
+  return largest;
+}
+
+void DeviceAllocator::ProcessEvents() {
+  std::lock_guard lock(mutex_);
+  ProcessEventsLocked();
+}
+
+void DeviceAllocator::ProcessEventsLocked() {
+  if (pending_.empty()) return;  // the common case: no backend call at all
+  // One FIFO per stream, so a long-running stream does not hold up blocks used by others.
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    std::deque<Pending>& queue = it->second;
+    while (!queue.empty() && backend_.query_event(device_, queue.front().event)) {
+      const Pending done = queue.front();
+      queue.pop_front();
+      spare_events_.push_back(done.event);
+      if (--done.block->event_count == 0) FreeBlock(done.block);
+    }
+    if (queue.empty()) {
+      pending_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void DeviceAllocator::SynchronizeAllEvents() {
+  ++stats_.num_sync_all_streams;
+  for (auto& [stream, queue] : pending_) {
+    while (!queue.empty()) {
+      const Pending done = queue.front();
+      backend_.synchronize_event(device_, done.event);
+      queue.pop_front();
+      spare_events_.push_back(done.event);
+      if (--done.block->event_count == 0) FreeBlock(done.block);
+    }
+  }
+  pending_.clear();
+}
+
+EventHandle DeviceAllocator::TakeEvent() {
+  if (spare_events_.empty()) return backend_.create_event(device_);
+  EventHandle event = spare_events_.back();
+  spare_events_.pop_back();
+  return event;
+}
+
+void DeviceAllocator::Trace(TraceAction action, uintptr_t addr, size_t size, uint64_t stream,
+                            TraceContext context) {
+  if (!history_.enabled()) return;
+  history_.Record(TraceEntry{action, device_, addr, size, stream, NowMicros(), std::move(context)});
+}
+
+void DeviceAllocator::ThrowOutOfMemory(size_t requested, size_t rounded) {
+  ++stats_.num_ooms;
+  const MemInfo info = backend_.mem_info(device_);
+  Trace(TraceAction::kOom, info.free_bytes, requested, 0, nullptr);
+  const std::string message = absl::StrFormat(
+      "Spillway: out of memory on device %d: tried to allocate %s (rounded to %s). Allocated %s, "
+      "reserved %s, limit %s; the device has %s free of %s; largest cached free block %s.",
+      device_, FormatBytes(requested), FormatBytes(rounded),
+      FormatBytes(static_cast<size_t>(stats_.allocated_bytes.all().current)),
+      FormatBytes(static_cast<size_t>(stats_.reserved_bytes.all().current)),
+      limit_ == 0 ? std::string("none") : FormatBytes(limit_), FormatBytes(info.free_bytes),
+      FormatBytes(info.total_bytes), FormatBytes(LargestFreeBlockLocked()));
+  throw OutOfMemoryError(message, requested, device_);
+}
+
+}  // namespace spillway

@@ -1,0 +1,136 @@
+// The caching allocator of one device: pools, best-fit search, split and merge, stream-ordered
+// reuse, the memory limit, the out-of-memory ladder, statistics and history. One mutex guards
+// everything; public methods take it, private ones expect it held, and no public method calls
+// another, so the mutex need not be recursive.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <limits>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "absl/container/btree_map.h"
+#include "absl/container/flat_hash_map.h"
+#include "allocator/backend.h"
+#include "allocator/block.h"
+#include "allocator/config.h"
+#include "allocator/history.h"
+#include "allocator/snapshot.h"
+#include "allocator/stats.h"
+
+namespace spillway {
+
+// Asked, on the out-of-memory path, to give back at least `bytes` of device memory on `device`;
+// returns how many bytes it released. Called without any allocator lock held.
+using FreeMemoryCallback = std::function<size_t(int device, size_t bytes)>;
+// Returns the registered callbacks (owned by the multi-device front).
+using FreeMemoryCallbacksFn = std::function<std::vector<FreeMemoryCallback>()>;
+
+struct AllocationInfo {
+  void* ptr = nullptr;
+  size_t size = 0;       // block size after rounding
+  size_t requested = 0;  // caller's size
+  int device = 0;
+  StreamRef stream;
+};
+
+class DeviceAllocator {
+ public:
+  DeviceAllocator(Backend& backend, int device, const AllocatorConfig& config,
+                  FreeMemoryCallbacksFn callbacks);
+  ~DeviceAllocator();
+  DeviceAllocator(const DeviceAllocator&) = delete;
+  DeviceAllocator& operator=(const DeviceAllocator&) = delete;
+
+  // `size` in [1, kMaxRequest]. Throws OutOfMemoryError when the ladder is exhausted. Sets
+  // `*over_watermark` when allocated bytes exceed the watermark after this allocation.
+  void* Malloc(size_t size, StreamRef stream, TraceContext context, bool* over_watermark);
+  // Allocated-bytes level above which Malloc reports pressure (the offload engine's budget).
+  void SetWatermark(size_t bytes) { watermark_.store(bytes, std::memory_order_relaxed); }
+  // Returns false (and changes nothing) when `ptr` is not a live allocation of this device.
+  bool Free(void* ptr, TraceContext context);
+  // Marks `ptr` as used by `stream`: when freed it is reused only after work enqueued on `stream`
+  // up to the free has completed. Returns false when `ptr` is not a live allocation here.
+  bool RecordStream(void* ptr, StreamRef stream);
+  std::optional<AllocationInfo> Lookup(const void* ptr) const;
+  // What `ptr` is when it is not a live allocation: for error messages.
+  std::string DescribeForeign(const void* ptr) const;
+
+  void EmptyCache();
+  // 0 clears the limit. Fractions are of total device memory.
+  void SetMemoryFraction(double fraction);
+  void SetMemoryLimit(size_t bytes);
+  size_t memory_limit() const;  // 0 = none
+
+  DeviceStats stats() const;
+  void ResetPeakStats();
+  void ResetAccumulatedStats();
+
+  void RecordHistory(bool enabled, size_t max_entries);
+  bool history_enabled() const;
+  std::vector<TraceEntry> history() const;
+  std::vector<SegmentSnapshot> SnapshotSegments() const;
+  // Size of the largest cached free block (PyTorch's cacheInfo).
+  size_t LargestFreeBlock() const;
+  // Completes pending stream-use frees whose events have fired. Malloc does this on its own.
+  void ProcessEvents();
+  int device() const { return device_; }
+
+ private:
+  struct Pending {
+    EventHandle event;
+    Block* block;
+  };
+  struct Segment {
+    size_t size;
+    PoolKind pool;
+    int64_t freed_at;  // allocation-clock tick at which it last became wholly free (GC age)
+    Block* head;       // first block; merges keep this object, splits keep it at the front
+  };
+
+  FreeIndex& pool(PoolKind kind) { return pools_[static_cast<int>(kind)]; }
+  Block* FindFree(PoolKind kind, StreamRef stream, size_t size);
+  Block* AllocSegment(PoolKind kind, StreamRef stream, size_t segment_size);
+  void* UseBlock(Block* block, size_t rounded, size_t requested, TraceContext context);
+  void FreeBlock(Block* block);
+  bool ReleaseSegment(Block* block);
+  void ReleaseCachedSegments(size_t until_freed);
+  void GarbageCollect(size_t incoming);
+  void ProcessEventsLocked();
+  void SynchronizeAllEvents();
+  EventHandle TakeEvent();
+  void Trace(TraceAction action, uintptr_t addr, size_t size, uint64_t stream,
+             TraceContext context);
+  [[noreturn]] void ThrowOutOfMemory(size_t requested, size_t rounded);
+  size_t LargestFreeBlockLocked() const;
+  size_t ComputeLimit() const;
+
+  Backend& backend_;
+  const int device_;
+  const SizePolicy policy_;
+  const double gc_threshold_;
+  const FreeMemoryCallbacksFn callbacks_;
+  const size_t total_memory_;
+
+  mutable std::mutex mutex_;
+  FreeIndex pools_[2];
+  BlockArena arena_;
+  absl::flat_hash_map<uintptr_t, Block*> allocated_;
+  absl::btree_map<uintptr_t, Segment> segments_;
+  absl::flat_hash_map<uint64_t, std::deque<Pending>> pending_;  // by stream id
+  std::vector<EventHandle> spare_events_;
+  DeviceStats stats_;
+  HistoryRing history_;
+  double memory_fraction_ = 0.0;
+  size_t memory_limit_bytes_ = 0;
+  size_t limit_ = 0;  // effective: min of the two when set, 0 = none
+  int64_t clock_ = 0;  // counts segment allocations, ages free segments for GC
+  std::atomic<size_t> watermark_{std::numeric_limits<size_t>::max()};
+};
+
+}  // namespace spillway

@@ -1,0 +1,70 @@
+// A bounded ring of allocator events (PyTorch's `TraceEntry` history): what was allocated and
+// freed, when, on which stream, optionally with a caller-supplied context (the torch layer stores
+// Python stack frames there).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+namespace spillway {
+
+enum class TraceAction {
+  kAlloc,
+  kFreeRequested,
+  kFreeCompleted,
+  kSegmentAlloc,
+  kSegmentFree,
+  kOom,
+  kSnapshot,
+};
+
+// PyTorch's spelling: "alloc", "free_requested", ..., "segment_free", "oom", "snapshot".
+std::string_view TraceActionName(TraceAction action);
+
+// What a context gatherer returns. Type-erased so the core stays free of torch and Python; the
+// layer that installed the gatherer knows the real type.
+using TraceContext = std::shared_ptr<const void>;
+using ContextGatherer = std::function<TraceContext()>;
+
+struct TraceEntry {
+  TraceAction action = TraceAction::kAlloc;
+  int device = 0;
+  uintptr_t addr = 0;  // for kOom: free device bytes at the time
+  size_t size = 0;
+  uint64_t stream = 0;  // StreamRef::id
+  int64_t time_us = 0;  // microseconds since the Unix epoch
+  TraceContext context;
+};
+
+int64_t NowMicros();
+
+// Not thread-safe: the owning device allocator guards it with its mutex.
+class HistoryRing {
+ public:
+  // Starts recording into a ring of `max_entries` (>= 1). Recorded entries are kept when the
+  // capacity is unchanged, dropped otherwise.
+  void Enable(size_t max_entries);
+  void Disable() { enabled_ = false; }
+  bool enabled() const { return enabled_; }
+  void Clear();
+
+  void Record(TraceEntry entry);
+  // Oldest first.
+  std::vector<TraceEntry> Entries() const;
+  // True once entries were overwritten since the last Clear/Enable.
+  bool overflowed() const { return overflowed_; }
+  size_t capacity() const { return ring_.size(); }
+
+ private:
+  std::vector<TraceEntry> ring_;
+  size_t next_ = 0;
+  size_t count_ = 0;
+  bool enabled_ = false;
+  bool overflowed_ = false;
+};
+
+}  // namespace spillway

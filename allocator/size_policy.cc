@@ -1,0 +1,58 @@
+#include "allocator/size_policy.h"
+
+#include <bit>
+
+namespace spillway {
+namespace {
+
+size_t RoundUp(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+// Interval index used by roundup_power2_divisions: log2(size) - log2(1 MiB), clamped to [0, 15].
+size_t IntervalIndex(size_t size) {
+  const int log_size = std::bit_width(size) - 1;
+  const int index = log_size - 20;
+  if (index < 0) return 0;
+  if (index >= static_cast<int>(kRoundupPower2Intervals)) return kRoundupPower2Intervals - 1;
+  return static_cast<size_t>(index);
+}
+
+}  // namespace
+
+size_t SizePolicy::RoundUpPower2Division(size_t size, size_t divisions) const {
+  if (std::has_single_bit(size)) return size;
+  const size_t floor = std::bit_floor(size);
+  const size_t step = floor / divisions;
+  if (step == 0) return floor << 1;
+  const size_t rounded_down = size & ~(step - 1);
+  return rounded_down == size ? size : rounded_down + step;
+}
+
+size_t SizePolicy::RoundSize(size_t size) const {
+  if (size < kMinBlockSize) return kMinBlockSize;
+  const size_t divisions = config_.roundup_power2_divisions[IntervalIndex(size)];
+  if (divisions > 1 && size > kMinBlockSize * divisions) {
+    return RoundUp(RoundUpPower2Division(size, divisions), kMinBlockSize);
+  }
+  return RoundUp(size, kMinBlockSize);
+}
+
+size_t SizePolicy::SegmentSize(size_t rounded) {
+  if (rounded <= kSmallSize) return kSmallBuffer;
+  if (rounded < kMinLargeAlloc) return kLargeBuffer;
+  return RoundUp(rounded, kRoundLarge);
+}
+
+bool SizePolicy::ShouldSplit(PoolKind pool, size_t block_size, size_t size) const {
+  const size_t remaining = block_size - size;
+  if (pool == PoolKind::kSmall) return remaining >= kMinBlockSize;
+  return size < config_.max_split_size && remaining > kSmallSize;
+}
+
+bool SizePolicy::AcceptsBlock(size_t block_size, size_t size) const {
+  const size_t max_split = config_.max_split_size;
+  if (size < max_split && block_size >= max_split) return false;
+  if (size >= max_split && block_size >= size + kLargeBuffer) return false;
+  return true;
+}
+
+}  // namespace spillway

@@ -1,0 +1,49 @@
+// Size classes: how a request is rounded, which pool serves it, how large a new segment is and
+// when a free block is split. The rules are PyTorch's (c10/cuda/CUDACachingAllocator.cpp), so
+// memory behaviour is directly comparable with the default allocator.
+#pragma once
+
+#include <cstddef>
+
+#include "allocator/config.h"
+
+namespace spillway {
+
+inline constexpr size_t kMinBlockSize = 512;               // every size is a multiple of this
+inline constexpr size_t kSmallSize = size_t{1} << 20;      // largest small-pool request
+inline constexpr size_t kSmallBuffer = size_t{2} << 20;    // small-pool segment size
+inline constexpr size_t kLargeBuffer = size_t{20} << 20;   // segment for 1–10 MiB requests
+inline constexpr size_t kMinLargeAlloc = size_t{10} << 20; // from here a request gets its own
+inline constexpr size_t kRoundLarge = size_t{2} << 20;     // ... segment rounded to 2 MiB
+// Requests above this are rejected outright as absurd (no device has 2^50 bytes); it also keeps
+// every rounding computation far from overflow.
+inline constexpr size_t kMaxRequest = size_t{1} << 50;
+
+enum class PoolKind { kSmall = 0, kLarge = 1 };
+
+class SizePolicy {
+ public:
+  explicit SizePolicy(const AllocatorConfig& config) : config_(config) {}
+
+  // Block size for a request of `size` (> 0, <= kMaxRequest) bytes.
+  size_t RoundSize(size_t size) const;
+  static PoolKind PoolFor(size_t rounded) {
+    return rounded <= kSmallSize ? PoolKind::kSmall : PoolKind::kLarge;
+  }
+  // Bytes to ask the backend for when no cached block fits.
+  static size_t SegmentSize(size_t rounded);
+  // Whether carving `size` bytes out of a free block of `block_size` leaves a remainder worth
+  // keeping as its own free block.
+  bool ShouldSplit(PoolKind pool, size_t block_size, size_t size) const;
+  // Whether a cached free block of `block_size` may serve a request of `size` (PyTorch's
+  // oversize rules: never hand an unsplittable oversize block to a small request, and never
+  // waste more than kLargeBuffer on an oversize request).
+  bool AcceptsBlock(size_t block_size, size_t size) const;
+  size_t max_split_size() const { return config_.max_split_size; }
+
+ private:
+  size_t RoundUpPower2Division(size_t size, size_t divisions) const;
+  AllocatorConfig config_;
+};
+
+}  // namespace spillway

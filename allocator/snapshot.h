@@ -1,0 +1,45 @@
+// A point-in-time view of every segment and block, plus the history ring: the raw material of
+// PyTorch-format memory snapshots (built by the torch layer) and of Spillway's own reports.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "allocator/history.h"
+#include "allocator/size_policy.h"
+
+namespace spillway {
+
+enum class BlockState { kActiveAllocated, kActivePendingFree, kInactive };
+
+// PyTorch's spelling: "active_allocated", "active_pending_free", "inactive".
+std::string_view BlockStateName(BlockState state);
+
+struct BlockSnapshot {
+  uintptr_t address = 0;
+  size_t size = 0;
+  size_t requested_size = 0;  // 0 unless allocated
+  BlockState state = BlockState::kInactive;
+  TraceContext context;
+};
+
+struct SegmentSnapshot {
+  int device = 0;
+  uintptr_t address = 0;
+  size_t total_size = 0;
+  size_t allocated_size = 0;
+  size_t active_size = 0;
+  size_t requested_size = 0;
+  uint64_t stream = 0;
+  PoolKind pool = PoolKind::kSmall;
+  std::vector<BlockSnapshot> blocks;  // address order
+};
+
+struct Snapshot {
+  std::vector<SegmentSnapshot> segments;            // by device, then address
+  std::vector<std::vector<TraceEntry>> device_traces;  // one list per device, oldest first
+};
+
+}  // namespace spillway

@@ -1,0 +1,186 @@
+// Google Benchmark cases for the caching allocator, on the simulated backend and, when this build
+// has CUDA and the machine a device, on CUDA. Names are `<Case>/<backend>[/<arg>]`, so
+// `--benchmark_filter=/sim` or `--benchmark_filter=RandomAllocations/cuda` select by backend.
+//
+//  - CachedMallocFree/<backend>/<size>: a malloc+free pair served from the cache (one segment,
+//    warmed before timing). Time is per pair; items = pairs.
+//  - RandomAllocations/<backend>/<live>: RMM-style churn. `live` allocations of random sizes
+//    (1 B .. 64 KiB) stay alive; each iteration frees a random one and allocates a new random
+//    size in its place. items = operations (a free or a malloc), so `per_op` growing no faster
+//    than log(live) from 1k to 100k is what the best-fit index promises.
+//  - MultiStreamRecordStream/<backend>: malloc on stream A, record_stream on stream B, free; the
+//    block becomes reusable once B's event has completed, which later mallocs poll for.
+//  - TwoThreads/<backend>/<size>: CachedMallocFree from two threads at once on one allocator
+//    (lock contention). Time is per pair per thread.
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "allocator/backend.h"
+#include "allocator/caching_allocator.h"
+#include "allocator/config.h"
+#include "allocator/sim_backend.h"
+#if defined(SPILLWAY_HAVE_CUDA)
+#include "allocator/cuda_backend.h"
+#endif
+
+namespace spillway {
+namespace {
+
+constexpr size_t kKiB = size_t{1} << 10;
+constexpr size_t kMiB = size_t{1} << 20;
+// Simulated device memory is host memory that is only touched when written; the benchmarks never
+// write it, so a large capacity costs nothing.
+constexpr size_t kSimCapacity = size_t{8} << 30;
+
+enum class Kind { kSim, kCuda };
+
+const char* KindName(Kind kind) { return kind == Kind::kSim ? "sim" : "cuda"; }
+
+std::shared_ptr<Backend> NewBackend(Kind kind) {
+#if defined(SPILLWAY_HAVE_CUDA)
+  if (kind == Kind::kCuda) return std::make_shared<CudaBackend>();
+#endif
+  (void)kind;
+  return std::make_shared<SimBackend>(
+      SimBackend::Options{.devices = 1, .capacity_bytes = kSimCapacity});
+}
+
+bool CudaAvailable() {
+#if defined(SPILLWAY_HAVE_CUDA)
+  return CudaBackend().device_count() > 0;
+#else
+  return false;
+#endif
+}
+
+std::string SizeName(size_t size) {
+  return size >= kMiB ? std::to_string(size / kMiB) + "MiB" : std::to_string(size / kKiB) + "KiB";
+}
+
+// Per-operation time as a counter: `ops` operations per iteration.
+benchmark::Counter PerOp(double ops) {
+  return benchmark::Counter(
+      ops, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+
+void CachedMallocFree(benchmark::State& state, Kind kind, size_t size) {
+  CachingAllocator alloc(NewBackend(kind), AllocatorConfig{});
+  const StreamRef stream = alloc.backend().default_stream(0);
+  alloc.Free(alloc.Malloc(size, 0, stream));  // the segment is cached from here on
+  for (auto _ : state) {
+    void* p = alloc.Malloc(size, 0, stream);
+    benchmark::DoNotOptimize(p);
+    alloc.Free(p, 0);
+  }
+  state.SetItemsProcessed(state.iterations());
+  if (alloc.stats(0).num_device_alloc != 1) state.SkipWithError("the cached path was not taken");
+}
+
+void RandomAllocations(benchmark::State& state, Kind kind, size_t live) {
+  CachingAllocator alloc(NewBackend(kind), AllocatorConfig{});
+  const StreamRef stream = alloc.backend().default_stream(0);
+  // Random sizes and victims drawn up front, so the timed loop measures the allocator only.
+  constexpr size_t kDraws = size_t{1} << 16;
+  std::mt19937_64 rng(42);
+  std::uniform_int_distribution<size_t> size_dist(1, 64 * kKiB);
+  std::uniform_int_distribution<size_t> victim_dist(0, live - 1);
+  std::vector<size_t> sizes(kDraws), victims(kDraws);
+  for (size_t i = 0; i < kDraws; ++i) {
+    sizes[i] = size_dist(rng);
+    victims[i] = victim_dist(rng);
+  }
+  std::vector<void*> ptrs(live);
+  for (size_t i = 0; i < live; ++i) ptrs[i] = alloc.Malloc(sizes[i % kDraws], 0, stream);
+
+  size_t n = 0;
+  for (auto _ : state) {
+    const size_t victim = victims[n % kDraws];
+    alloc.Free(ptrs[victim], 0);
+    ptrs[victim] = alloc.Malloc(sizes[(n * 7 + 1) % kDraws], 0, stream);
+    ++n;
+  }
+  state.SetItemsProcessed(2 * static_cast<int64_t>(state.iterations()));
+  state.counters["per_op"] = PerOp(2);
+  state.counters["segments"] = static_cast<double>(alloc.stats(0).segment.all().current);
+  for (void* p : ptrs) alloc.Free(p, 0);
+}
+
+void MultiStreamRecordStream(benchmark::State& state, Kind kind, size_t size) {
+  CachingAllocator alloc(NewBackend(kind), AllocatorConfig{});
+  Backend& backend = alloc.backend();
+  const StreamRef a = backend.create_stream(0);
+  const StreamRef b = backend.create_stream(0);
+  for (auto _ : state) {
+    void* p = alloc.Malloc(size, 0, a);
+    benchmark::DoNotOptimize(p);
+    alloc.RecordStream(p, b);
+    alloc.Free(p, 0);
+  }
+  state.SetItemsProcessed(state.iterations());
+  backend.synchronize_stream(0, b.handle);
+  alloc.ProcessEvents(0);
+  // How many segments the events kept from being reused right away.
+  state.counters["segments"] = static_cast<double>(alloc.stats(0).segment.all().current);
+  alloc.EmptyCache();
+  backend.destroy_stream(0, a.handle);
+  backend.destroy_stream(0, b.handle);
+}
+
+// Shared by the threads of TwoThreads; created once per backend kind, lives until exit.
+CachingAllocator& SharedAllocator(Kind kind) {
+  static CachingAllocator* const sim = new CachingAllocator(NewBackend(Kind::kSim), {});
+  if (kind == Kind::kSim) return *sim;
+  static CachingAllocator* const cuda = new CachingAllocator(NewBackend(Kind::kCuda), {});
+  return *cuda;
+}
+
+void TwoThreads(benchmark::State& state, Kind kind, size_t size) {
+  CachingAllocator& alloc = SharedAllocator(kind);
+  const StreamRef stream = alloc.backend().default_stream(0);
+  for (auto _ : state) {
+    void* p = alloc.Malloc(size, 0, stream);
+    benchmark::DoNotOptimize(p);
+    alloc.Free(p, 0);
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
+void RegisterAll(Kind kind) {
+  const std::string backend = KindName(kind);
+  for (size_t size : {4 * kKiB, kMiB}) {
+    benchmark::RegisterBenchmark(("CachedMallocFree/" + backend + "/" + SizeName(size)).c_str(),
+                                 CachedMallocFree, kind, size);
+  }
+  for (size_t live : {size_t{1000}, size_t{10000}, size_t{100000}}) {
+    benchmark::RegisterBenchmark(
+        ("RandomAllocations/" + backend + "/" + std::to_string(live)).c_str(), RandomAllocations,
+        kind, live);
+  }
+  benchmark::RegisterBenchmark(("MultiStreamRecordStream/" + backend + "/64KiB").c_str(),
+                               MultiStreamRecordStream, kind, 64 * kKiB);
+  benchmark::RegisterBenchmark(("TwoThreads/" + backend + "/4KiB").c_str(), TwoThreads, kind,
+                               4 * kKiB)
+      ->Threads(2)
+      ->UseRealTime();
+}
+
+}  // namespace
+}  // namespace spillway
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  spillway::RegisterAll(spillway::Kind::kSim);
+  // CUDA cases exist only where a device does: a CPU-only machine runs the simulated set alone.
+  if (spillway::CudaAvailable()) spillway::RegisterAll(spillway::Kind::kCuda);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,126 @@
+// spillway._C: the Python face of the torch layer. The package `spillway` wraps it.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include <string>
+
+#include "allocator/errors.h"
+#include "allocator/process_allocator.h"
+#include "hooks/runtime.h"
+#include "hooks/saved_tensors.h"
+#include "hooks/storage_tools.h"
+
+namespace py = pybind11;
+namespace sw = spillway;
+namespace tl = spillway::torch_layer;
+
+namespace {
+
+sw::OffloadPolicy ParsePolicy(const std::string& name) {
+  if (name == "off") return sw::OffloadPolicy::kOff;
+  if (name == "eager") return sw::OffloadPolicy::kEager;
+  if (name == "auto") return sw::OffloadPolicy::kAuto;
+  throw sw::InvalidArgumentError("bad offload policy '" + name +
+                                 "': expected one of off, eager, auto");
+}
+
+py::dict MemoryStats(int device) {
+  tl::Runtime& runtime = tl::Runtime::Get();
+  py::dict out;
+  for (const auto& [key, value] : runtime.allocator().FlatStats(device)) out[py::str(key)] = value;
+  if (sw::OffloadEngine* engine = runtime.engine_if_created()) {
+    for (const auto& [key, value] : engine->stats().Flatten()) {
+      out[py::str("spillway." + key)] = value;
+    }
+  }
+  return out;
+}
+
+void ConfigureOffload(const std::string& policy, int64_t budget_bytes, double budget_fraction,
+                      int64_t min_bytes, int64_t prefetch_bytes) {
+  tl::Runtime& runtime = tl::Runtime::Get();
+  sw::OffloadConfig config = runtime.engine().config();
+  config.policy = ParsePolicy(policy);
+  auto non_negative = [](const char* name, int64_t value) {
+    if (value < 0) {
+      throw sw::InvalidArgumentError(std::string("bad value ") + std::to_string(value) + " for " +
+                                     name + ": expected a non-negative number of bytes");
+    }
+    return static_cast<size_t>(value);
+  };
+  if (!(budget_fraction > 0.0 && budget_fraction <= 1.0)) {
+    throw sw::InvalidArgumentError("bad value " + std::to_string(budget_fraction) +
+                                   " for budget_fraction: expected a fraction in (0, 1]");
+  }
+  config.budget_bytes = non_negative("budget_bytes", budget_bytes);
+  config.budget_fraction = budget_fraction;
+  config.min_bytes = non_negative("min_bytes", min_bytes);
+  config.prefetch_bytes = non_negative("prefetch_bytes", prefetch_bytes);
+  runtime.engine().SetConfig(config);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "Spillway's torch layer (C++).";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const sw::InvalidArgumentError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("install", [](const std::string& device, const std::string& conf) {
+    tl::Runtime::Get().Install(device, conf);
+  });
+  m.def("installed_mode", [] {
+    switch (tl::Runtime::Get().mode()) {
+      case tl::Mode::kSim: return std::string("sim");
+      case tl::Mode::kCuda: return std::string("cuda");
+      case tl::Mode::kNone: break;
+    }
+    return std::string();
+  });
+  m.def("offload_defaults", [] {
+    const sw::OffloadConfig c = tl::Runtime::Get().config().offload;
+    py::dict d;
+    d["policy"] = std::string(sw::OffloadPolicyName(c.policy));
+    d["budget_bytes"] = c.budget_bytes;
+    d["budget_fraction"] = c.budget_fraction;
+    d["min_bytes"] = c.min_bytes;
+    d["prefetch_bytes"] = c.prefetch_bytes;
+    return d;
+  });
+  m.def("configure_offload", &ConfigureOffload);
+  m.def("budget_bytes", [](int device) { return tl::Runtime::Get().engine().budget_bytes(device); });
+
+  py::class_<tl::SavedHandle, std::shared_ptr<tl::SavedHandle>>(m, "SavedHandle")
+      .def_property_readonly("managed", &tl::SavedHandle::managed)
+      .def("__repr__", [](const tl::SavedHandle& h) {
+        return "<spillway.SavedHandle " + h.Describe() + (h.managed() ? " managed>" : " kept>");
+      });
+  m.def("pack", &tl::Pack);
+  m.def("unpack", &tl::Unpack);
+  m.def("forward_end", &tl::ForwardEnd);
+  m.def("count_skip", [](const std::string& reason) {
+    tl::Runtime::Get().engine().CountSkip(reason);
+  });
+
+  m.def("memory_stats", &MemoryStats);
+  m.def("reset_peak_stats", [](int device) {
+    tl::Runtime& runtime = tl::Runtime::Get();
+    runtime.allocator().ResetPeakStats(device);
+    if (sw::OffloadEngine* engine = runtime.engine_if_created()) engine->ResetPeakStats();
+  });
+  m.def("reset_accumulated_stats",
+        [](int device) { tl::Runtime::Get().allocator().ResetAccumulatedStats(device); });
+  m.def("empty_cache", [] { tl::Runtime::Get().allocator().EmptyCache(); });
+  m.def("synchronize", [] {
+    if (sw::OffloadEngine* engine = tl::Runtime::Get().engine_if_created()) engine->Synchronize();
+  });
+  m.def("keepers", &tl::Keepers);
+  m.def("release", &tl::Release);
+  m.def("residency", &tl::ResidencyOf);
+}

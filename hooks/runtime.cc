@@ -1,0 +1,96 @@
+#include "hooks/runtime.h"
+
+#include "absl/strings/str_format.h"
+#include "allocator/errors.h"
+#include "allocator/process_allocator.h"
+#include "hooks/sim_cpu_allocator.h"
+
+#if defined(SPILLWAY_TORCH_CUDA)
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace spillway::torch_layer {
+
+Runtime& Runtime::Get() {
+  // Leaked on purpose: saved tensors may be released during interpreter shutdown.
+  static Runtime* runtime = new Runtime();  // NOLINT(cppcoreguidelines-owning-memory)
+  return *runtime;
+}
+
+void Runtime::Install(const std::string& device, const std::string& conf) {
+  std::lock_guard lock(mutex_);
+  const std::string key = device + "|" + conf;
+  if (mode_ != Mode::kNone) {
+    if (key == install_key_) return;
+    throw InvalidArgumentError(absl::StrFormat(
+        "spillway is already installed (device=%s, conf=\"%s\"); one install per process, and "
+        "this call asks for device=%s, conf=\"%s\"",
+        install_key_.substr(0, install_key_.find('|')),
+        install_key_.substr(install_key_.find('|') + 1), device, conf));
+  }
+  Config base;
+  if (device == "sim") {
+    base.device = DeviceKind::kSim;
+  } else if (device == "cuda") {
+    base.device = DeviceKind::kCuda;
+  } else {
+    throw InvalidArgumentError(absl::StrFormat(
+        "unknown device '%s' for spillway.install: expected \"cuda\" or \"sim\"", device));
+  }
+  absl::StatusOr<Config> parsed = ParseConfig(conf, base);
+  if (!parsed.ok()) throw InvalidArgumentError(std::string(parsed.status().message()));
+  if (parsed->device != base.device) {
+    throw InvalidArgumentError(absl::StrFormat(
+        "spillway.install(device=\"%s\") conflicts with the configuration's device key in \"%s\"",
+        device, conf));
+  }
+  if (!ConfigureProcessAllocator(*parsed) && ProcessConfig().device != parsed->device) {
+    throw InvalidArgumentError(
+        "Spillway's process allocator was already created for another device (by the C ABI, "
+        "from SPILLWAY_ALLOC_CONF); install before any allocation");
+  }
+  allocator_ = &ProcessAllocator();
+  config_ = *parsed;
+  if (parsed->device == DeviceKind::kSim) SimCpuAllocator::Install(*allocator_);
+  mode_ = parsed->device == DeviceKind::kSim ? Mode::kSim : Mode::kCuda;
+  install_key_ = key;
+}
+
+Mode Runtime::mode() const {
+  std::lock_guard lock(mutex_);
+  return mode_;
+}
+
+CachingAllocator& Runtime::allocator() const {
+  std::lock_guard lock(mutex_);
+  if (allocator_ == nullptr) {
+    throw InvalidArgumentError(
+        "spillway is not installed: call spillway.install(device=\"cuda\" or \"sim\") first");
+  }
+  return *allocator_;
+}
+
+OffloadEngine& Runtime::engine() {
+  CachingAllocator& alloc = allocator();
+  std::lock_guard lock(mutex_);
+  if (engine_ == nullptr) engine_ = std::make_unique<OffloadEngine>(alloc, config_.offload);
+  return *engine_;
+}
+
+OffloadEngine* Runtime::engine_if_created() {
+  std::lock_guard lock(mutex_);
+  return engine_.get();
+}
+
+StreamRef Runtime::CurrentStream(int device) const {
+  CachingAllocator& alloc = allocator();
+  if (mode() == Mode::kSim) return alloc.backend().default_stream(device);
+#if defined(SPILLWAY_TORCH_CUDA)
+  return alloc.backend().resolve_stream(
+      device, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream());
+#else
+  throw InvalidArgumentError("this build of Spillway's torch layer has no CUDA support");
+#endif
+}
+
+}  // namespace spillway::torch_layer

@@ -1,0 +1,48 @@
+// The process-wide state of the torch layer: which device Spillway serves, the allocator, and the
+// offload engine. One per process, created by `spillway.install()` (or the environment hook).
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "allocator/caching_allocator.h"
+#include "allocator/config.h"
+#include "offload/engine.h"
+
+namespace spillway::torch_layer {
+
+enum class Mode { kNone, kSim, kCuda };
+
+class Runtime {
+ public:
+  static Runtime& Get();
+
+  // Installs Spillway for `device` ("sim" or "cuda") with configuration text `conf`. The same call
+  // again is a no-op; a different one throws InvalidArgumentError naming both.
+  void Install(const std::string& device, const std::string& conf);
+  Mode mode() const;
+  bool installed() const { return mode() != Mode::kNone; }
+  // Throws when nothing is installed.
+  CachingAllocator& allocator() const;
+  // Created on first use with the installed configuration's offload settings.
+  OffloadEngine& engine();
+  OffloadEngine* engine_if_created();
+  const Config& config() const { return config_; }
+  // The stream torch work on `device` goes to now: the default stream on the simulated device
+  // (CPU kernels run on the host), the current CUDA stream otherwise.
+  StreamRef CurrentStream(int device) const;
+  // True when consumers are host code (the simulated device): unpack waits on the host.
+  bool host_consumers() const { return mode() == Mode::kSim; }
+
+ private:
+  Runtime() = default;
+  mutable std::mutex mutex_;
+  Mode mode_ = Mode::kNone;
+  std::string install_key_;
+  Config config_;
+  CachingAllocator* allocator_ = nullptr;
+  std::unique_ptr<OffloadEngine> engine_;
+};
+
+}  // namespace spillway::torch_layer

@@ -1,0 +1,114 @@
+#include "hooks/saved_tensors.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <sstream>
+
+#include "allocator/errors.h"
+#include "hooks/runtime.h"
+#include "hooks/torch_storage.h"
+
+namespace spillway::torch_layer {
+namespace {
+
+// Forward (saving) or backward (unpacking): the first unpack after saves starts backward.
+std::atomic<bool> in_backward{false};
+
+int DeviceIndexOf(const at::Tensor& t) {
+  return t.is_cuda() ? static_cast<int>(t.get_device()) : 0;
+}
+
+// Why Spillway keeps `t` as it is, or empty when it can manage it.
+const char* SkipReason(const at::Tensor& t, const Runtime& runtime) {
+  if (!t.defined()) return "undefined";
+  if (t.layout() != at::kStrided) return "layout";
+  if (t.key_set().has(c10::DispatchKey::Python)) return "subclass";
+  if (t.is_quantized()) return "quantized";
+  if (!t.has_storage()) return "no_storage";
+  const bool on_device = runtime.mode() == Mode::kSim ? t.device().is_cpu() : t.is_cuda();
+  if (!on_device) return "other_device";
+  return nullptr;
+}
+
+}  // namespace
+
+SavedHandle::SavedHandle(KeeperId id, const at::Tensor& t)
+    : id_(id),
+      sizes_(t.sizes().vec()),
+      strides_(t.strides().vec()),
+      offset_(t.storage_offset()),
+      options_(t.options()),
+      conj_(t.is_conj()),
+      neg_(t.is_neg()) {}
+
+SavedHandle::~SavedHandle() {
+  if (!managed()) return;
+  try {
+    Runtime::Get().engine().RemoveKeeper(id_);
+  } catch (const std::exception&) {
+    // A destructor cannot report; the keeper is gone either way.
+  }
+}
+
+std::string SavedHandle::Describe() const {
+  std::ostringstream out;
+  out << c10::toString(c10::typeMetaToScalarType(options_.dtype())) << "[";
+  for (size_t i = 0; i < sizes_.size(); ++i) out << (i ? ", " : "") << sizes_[i];
+  out << "]";
+  return out.str();
+}
+
+at::Tensor SavedHandle::Unpack() const {
+  if (!managed()) return kept_;
+  Runtime& runtime = Runtime::Get();
+  OffloadEngine& engine = runtime.engine();
+  auto storage = std::dynamic_pointer_cast<TorchStorage>(engine.StorageOf(id_));
+  TORCH_CHECK(storage != nullptr, "spillway: saved tensor ", Describe(), " was already released");
+  const StreamRef consumer = runtime.CurrentStream(storage->device());
+  if (!in_backward.exchange(true)) engine.BackwardStart(consumer);
+  try {
+    engine.Acquire(id_, consumer);
+    if (runtime.host_consumers()) engine.WaitResident(id_);
+  } catch (const Error& e) {
+    TORCH_CHECK(false, "spillway could not bring back the saved tensor ", Describe(), ": ",
+                e.what());
+  }
+  at::Tensor out = at::empty({0}, options_);
+  out.set_(storage->storage(), offset_, sizes_, strides_);
+  if (conj_) out._set_conj(true);
+  if (neg_) out._set_neg(true);
+  return out;
+}
+
+std::shared_ptr<SavedHandle> Pack(const at::Tensor& tensor) {
+  Runtime& runtime = Runtime::Get();
+  OffloadEngine& engine = runtime.engine();
+  in_backward = false;
+  if (const char* reason = SkipReason(tensor, runtime)) {
+    engine.CountSkip(reason);
+    return std::make_shared<SavedHandle>(tensor);
+  }
+  const c10::Storage& storage = tensor.storage();
+  const int device = DeviceIndexOf(tensor);
+  ViewInfo view;
+  view.offset = tensor.storage_offset();
+  view.sizes = tensor.sizes().vec();
+  view.strides = tensor.strides().vec();
+  view.element_size = static_cast<size_t>(tensor.element_size());
+  const std::optional<KeeperId> id = engine.AddKeeper(
+      storage.unsafeGetStorageImpl(),
+      [&] { return std::make_shared<TorchStorage>(storage, device); }, std::move(view),
+      runtime.CurrentStream(device));
+  if (!id) return std::make_shared<SavedHandle>(tensor);
+  return std::make_shared<SavedHandle>(*id, tensor);
+}
+
+at::Tensor Unpack(const SavedHandle& handle) { return handle.Unpack(); }
+
+void ForwardEnd() {
+  if (OffloadEngine* engine = Runtime::Get().engine_if_created()) engine->ForwardEnd();
+}
+
+}  // namespace spillway::torch_layer

@@ -1,0 +1,48 @@
+// The saved-tensor hooks: pack registers a saved tensor as a keeper of its storage's engine entry;
+// unpack makes the storage resident and rebuilds the exact view on that same storage.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "offload/engine.h"
+
+namespace spillway::torch_layer {
+
+// What pack returns. Either a managed keeper (the engine owns the storage's residency) or the
+// tensor as it was (anything Spillway does not offload: the reason was counted as skipped).
+class SavedHandle {
+ public:
+  explicit SavedHandle(at::Tensor kept) : kept_(std::move(kept)) {}
+  SavedHandle(KeeperId id, const at::Tensor& t);
+  ~SavedHandle();
+  SavedHandle(const SavedHandle&) = delete;
+  SavedHandle& operator=(const SavedHandle&) = delete;
+
+  bool managed() const { return id_ != 0; }
+  KeeperId id() const { return id_; }
+  at::Tensor Unpack() const;
+  std::string Describe() const;  // "float32[8, 16]" for messages
+
+ private:
+  at::Tensor kept_;
+  KeeperId id_ = 0;
+  std::vector<int64_t> sizes_;
+  std::vector<int64_t> strides_;
+  int64_t offset_ = 0;
+  at::TensorOptions options_;
+  bool conj_ = false;
+  bool neg_ = false;
+};
+
+// pack_hook / unpack_hook bodies. `Pack` counts why a tensor is kept as it is.
+std::shared_ptr<SavedHandle> Pack(const at::Tensor& tensor);
+at::Tensor Unpack(const SavedHandle& handle);
+// Phase signals (the offload context manager's exit; the first unpack calls BackwardStart).
+void ForwardEnd();
+
+}  // namespace spillway::torch_layer

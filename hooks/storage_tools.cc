@@ -1,0 +1,88 @@
+#include "hooks/storage_tools.h"
+
+#include <pybind11/stl.h>
+
+#include <string>
+
+#include "allocator/errors.h"
+#include "hooks/runtime.h"
+
+namespace py = pybind11;
+
+namespace spillway::torch_layer {
+namespace {
+
+std::optional<EntryInfo> EntryOf(const at::Tensor& tensor) {
+  if (!tensor.defined() || !tensor.has_storage()) return std::nullopt;
+  OffloadEngine* engine = Runtime::Get().engine_if_created();
+  if (engine == nullptr) return std::nullopt;
+  return engine->Describe(tensor.storage().unsafeGetStorageImpl());
+}
+
+void CheckTensor(const at::Tensor& tensor, const char* what) {
+  if (!tensor.defined() || !tensor.has_storage()) {
+    throw InvalidArgumentError(std::string(what) +
+                               ": expected a tensor with a storage (a dense, strided tensor)");
+  }
+}
+
+}  // namespace
+
+py::list Keepers(const at::Tensor& tensor) {
+  CheckTensor(tensor, "spillway.keepers");
+  py::list out;
+  const std::optional<EntryInfo> entry = EntryOf(tensor);
+  int64_t ours = 0;
+  if (entry) {
+    ours = 1;  // the engine's binding
+    for (const KeeperInfo& k : entry->keepers) {
+      py::dict d;
+      d["kind"] = "saved";
+      d["shape"] = py::tuple(py::cast(k.view.sizes));
+      d["stride"] = py::tuple(py::cast(k.view.strides));
+      d["offset"] = k.view.offset;
+      out.append(d);
+    }
+  }
+  const int64_t external = static_cast<int64_t>(tensor.storage().use_count()) - ours;
+  if (external > 0) {
+    py::dict d;
+    d["kind"] = "external";
+    d["count"] = external;
+    out.append(d);
+  }
+  return out;
+}
+
+py::dict Release(const at::Tensor& tensor, bool force) {
+  CheckTensor(tensor, "spillway.release");
+  const std::optional<EntryInfo> entry = EntryOf(tensor);
+  if (entry && !entry->keepers.empty() && !force) {
+    throw InvalidArgumentError(
+        "spillway.release: " + std::to_string(entry->keepers.size()) +
+        " tensor(s) saved for backward still keep this storage; releasing it would corrupt the "
+        "backward pass. Pass force=True if they will never be read.");
+  }
+  py::list keepers = Keepers(tensor);
+  const c10::Storage& storage = tensor.storage();
+  const int64_t ours = entry ? 1 : 0;
+  // The tensor passed in is one holder; the caller asks about the others.
+  const int64_t other_holders = static_cast<int64_t>(storage.use_count()) - ours - 1;
+  const size_t freed = storage.data_ptr().get() != nullptr ? storage.nbytes() : 0;
+  c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  impl->set_data_ptr_noswap(c10::DataPtr(nullptr, storage.device()));
+  impl->set_nbytes(0);
+  py::dict out;
+  out["freed_bytes"] = freed;
+  out["other_holders"] = other_holders;
+  out["keepers"] = keepers;
+  return out;
+}
+
+py::object ResidencyOf(const at::Tensor& tensor) {
+  const std::optional<EntryInfo> entry = EntryOf(tensor);
+  if (!entry) return py::none();
+  return py::str(std::string(ResidencyName(entry->residency)));
+}
+
+}  // namespace spillway::torch_layer

@@ -1,0 +1,31 @@
+#include "hooks/torch_storage.h"
+
+#include <c10/util/Exception.h>
+
+#include "allocator/errors.h"
+
+namespace spillway::torch_layer {
+
+void TorchStorage::drop_device_memory() {
+  // The old DataPtr's deleter hands the block back to Spillway's allocator; its reuse is held
+  // back by the stream use the engine recorded for the copy.
+  storage_.unsafeGetStorageImpl()->set_data_ptr_noswap(c10::DataPtr(nullptr, storage_.device()));
+}
+
+void* TorchStorage::allocate_device_memory(StreamRef /*stream*/) {
+  // The storage's own allocator allocates on the current stream, which is the consumer stream
+  // the engine passes; going through it gives the memory the deleter PyTorch expects.
+  c10::Allocator* allocator = storage_.unsafeGetStorageImpl()->allocator();
+  TORCH_CHECK(allocator != nullptr, "spillway: a spilled storage has no allocator to reload with");
+  c10::DataPtr memory;
+  try {
+    memory = allocator->allocate(storage_.nbytes());
+  } catch (const c10::OutOfMemoryError& e) {
+    throw OutOfMemoryError(e.what_without_backtrace(), storage_.nbytes(), device_);
+  }
+  void* ptr = memory.get();
+  storage_.unsafeGetStorageImpl()->set_data_ptr_noswap(std::move(memory));
+  return ptr;
+}
+
+}  // namespace spillway::torch_layer

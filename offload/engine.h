@@ -1,0 +1,158 @@
+// The offload engine: moves a storage's bytes to pinned host memory and back without any of its
+// views noticing.
+//
+// One entry per storage (never per view), identified by the storage object the caller registers.
+// An entry's keepers are the saved views registered on it; the storage is eligible to spill only
+// when nothing but those keepers holds it (`Storage::external_holders() == 0`).
+//
+// Residency: resident -> spilling (D2H in flight) -> spilled -> reloading (H2D in flight) ->
+// resident; an entry is dropped from any state when its last keeper goes. Transitions that wait
+// on a copy are observed lazily (the engine queries events; it never blocks the host except in
+// the out-of-memory rescue, which must hand memory back before the allocator retries).
+//
+// Streams (per device, owned by the engine): spill = event on the producer stream -> D2H stream
+// waits -> copy -> copy-done event -> the device block goes back to the allocator with reuse
+// deferred until copy-done (record_stream once, then free). Reload = block allocated on the
+// consumer stream -> event there -> H2D stream waits -> copy -> reload-done -> consumer waits.
+//
+// Thread-safe: one recursive mutex, because reloading allocates and an allocation may call back
+// into the engine (the out-of-memory rescue, the budget handler) on the same thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/container/btree_map.h"
+#include "absl/container/flat_hash_map.h"
+#include "allocator/backend.h"
+#include "allocator/caching_allocator.h"
+#include "allocator/config.h"
+#include "offload/offload_stats.h"
+#include "offload/pinned_pool.h"
+#include "offload/storage.h"
+
+namespace spillway {
+
+enum class Residency { kResident, kSpilling, kSpilled, kReloading, kFailed };
+std::string_view ResidencyName(Residency residency);
+
+using KeeperId = uint64_t;
+
+// What `Keepers()` reports per registered saved view.
+struct KeeperInfo {
+  KeeperId id = 0;
+  ViewInfo view;
+};
+
+struct EntryInfo {
+  size_t nbytes = 0;
+  int device = 0;
+  Residency residency = Residency::kResident;
+  int64_t external_holders = 0;
+  std::vector<KeeperInfo> keepers;
+  int64_t spill_count = 0;
+  int64_t reload_count = 0;
+  int64_t last_spill_us = 0;   // wall time of the latest spill start, 0 if never
+  int64_t last_reload_us = 0;  // wall time of the latest reload start, 0 if never
+};
+
+class OffloadEngine {
+ public:
+  // Registers itself with `allocator` for the out-of-memory rescue and the budget watermark.
+  OffloadEngine(CachingAllocator& allocator, OffloadConfig config);
+  ~OffloadEngine();
+  OffloadEngine(const OffloadEngine&) = delete;
+  OffloadEngine& operator=(const OffloadEngine&) = delete;
+
+  // Registers a saved view of a storage, produced on `producer`. `key` identifies the storage
+  // (the caller's storage object); it stays unique while the entry lives because the entry keeps
+  // the storage alive. `make_storage` is called only when the storage has no entry yet, so one
+  // binding serves every view. Returns nullopt, counting the reason, for a storage the engine
+  // will not manage (zero bytes, not allocated by Spillway). Runs the policy afterwards.
+  using StorageFactory = std::function<std::shared_ptr<Storage>()>;
+  std::optional<KeeperId> AddKeeper(const void* key, const StorageFactory& make_storage,
+                                    ViewInfo view, StreamRef producer);
+  // The storage a keeper keeps (to rebuild its view), or null for an unknown keeper.
+  std::shared_ptr<Storage> StorageOf(KeeperId id) const;
+  // Blocks the host until the keeper's storage is resident: for consumers that are host code
+  // (the simulated device's CPU kernels), which no stream wait can order.
+  void WaitResident(KeeperId id);
+  // The saved view is gone. The last keeper drops the entry and any host copy.
+  void RemoveKeeper(KeeperId id);
+  // Makes the storage resident and orders `consumer` after its reload; returns its device
+  // pointer. Throws spillway::Error when the bytes cannot be brought back (the entry stays
+  // spilled when that is possible, so a later call may succeed).
+  void* Acquire(KeeperId id, StreamRef consumer);
+
+  // Phase signals from the hooks: forward ended (eager spills everything eligible), backward
+  // started (prefetch begins on `consumer`).
+  void ForwardEnd();
+  void BackwardStart(StreamRef consumer);
+  // Runs the spill policy now (the hooks call it after each save).
+  void RunPolicy();
+  // Out-of-memory rescue: spills eligible entries on `device`, waiting for their copies, until
+  // `bytes` were released or nothing is eligible. Returns the bytes released.
+  size_t ReleaseMemory(int device, size_t bytes);
+  // Waits for every copy in flight and settles the states.
+  void Synchronize();
+
+  void SetConfig(const OffloadConfig& config);
+  OffloadConfig config() const;
+
+  std::optional<EntryInfo> Describe(const void* key) const;
+  std::optional<EntryInfo> DescribeKeeper(KeeperId id) const;
+  // Keys of every live entry, oldest save first.
+  std::vector<const void*> EntryKeys() const;
+  void CountSkip(std::string_view reason);
+  OffloadStats stats() const;
+  void ResetPeakStats();
+  size_t budget_bytes(int device) const;
+
+  // Testing only: skips the consumer's wait on reload-done, the one wait whose absence corrupts
+  // data silently. The integrity tests turn it on to prove they catch it.
+  void set_skip_consumer_wait_for_testing(bool skip) { skip_consumer_wait_ = skip; }
+
+ private:
+  struct Entry;
+  struct DeviceContext;
+
+  DeviceContext& Device(int device);
+  Entry& EntryOf(KeeperId id) const;
+  void Refresh(Entry& e);
+  bool Eligible(const Entry& e) const;
+  bool Spill(Entry& e);
+  void Reload(Entry& e, StreamRef consumer);
+  void Prefetch(uint64_t before_seq, StreamRef consumer);
+  void Drop(Entry& e);
+  void ReleaseHost(Entry& e, std::optional<StreamRef> last_use);
+  size_t SpillOldest(int device, size_t target_allocated, bool include_window);
+  size_t AllocatedBytes(int device) const;
+  void UpdateWatermarks();
+  void OnPressure(int device);
+  EventHandle TakeEvent(DeviceContext& dc);
+
+  CachingAllocator& allocator_;
+  Backend& backend_;
+  uint64_t oom_callback_id_ = 0;
+
+  mutable std::recursive_mutex mutex_;
+  OffloadConfig config_;
+  std::vector<std::unique_ptr<DeviceContext>> devices_;
+  absl::flat_hash_map<const void*, std::unique_ptr<Entry>> entries_;
+  absl::flat_hash_map<KeeperId, Entry*> keepers_;
+  absl::btree_map<uint64_t, Entry*> by_seq_;  // save order
+  uint64_t next_seq_ = 1;
+  KeeperId next_keeper_ = 1;
+  size_t prefetched_bytes_ = 0;  // reloaded ahead of use, not yet acquired
+  bool in_policy_ = false;       // the policy's own allocations must not re-enter it
+  bool skip_consumer_wait_ = false;
+  OffloadStats stats_;
+};
+
+}  // namespace spillway

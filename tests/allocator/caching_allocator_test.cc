@@ -1,0 +1,182 @@
+// Core caching behaviour: pools, best fit, split and merge, cache reuse, limits, empty_cache.
+#include <cstring>
+#include <set>
+#include <vector>
+
+#include "tests/allocator/sim_fixture.h"
+
+namespace spillway::testing {
+namespace {
+
+using CachingAllocatorTest = SimAllocatorTest;
+
+TEST_F(CachingAllocatorTest, ReturnsAlignedWritableMemory) {
+  void* p = Alloc(1000);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 512, 0u);
+  std::memset(p, 0xAB, 1000);  // simulated device memory is host memory
+  allocator_->Free(p);
+}
+
+TEST_F(CachingAllocatorTest, CachedPathReusesBlockWithoutBackendCall) {
+  void* p = Alloc(4096);
+  allocator_->Free(p);
+  const int64_t mallocs = backend_->num_device_mallocs();
+  void* q = Alloc(4096);
+  EXPECT_EQ(q, p);
+  EXPECT_EQ(backend_->num_device_mallocs(), mallocs);
+  allocator_->Free(q);
+}
+
+TEST_F(CachingAllocatorTest, SmallRequestsShareOneTwoMiBSegment) {
+  void* a = Alloc(512);
+  void* b = Alloc(512);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b), reinterpret_cast<uintptr_t>(a) + 512);
+  EXPECT_EQ(Stat("segment.small_pool.current"), 1);
+  EXPECT_EQ(Stat("reserved_bytes.small_pool.current"), int64_t{2 << 20});
+  allocator_->Free(a);
+  allocator_->Free(b);
+}
+
+TEST_F(CachingAllocatorTest, MidSizeRequestCarvesTwentyMiBSegment) {
+  void* p = Alloc(3 * kMiB / 2);
+  EXPECT_EQ(Stat("reserved_bytes.large_pool.current"), int64_t{20 << 20});
+  EXPECT_EQ(Stat("allocated_bytes.large_pool.current"), int64_t{3 * kMiB / 2});
+  EXPECT_EQ(Stat("inactive_split.large_pool.current"), 1);
+  void* q = Alloc(2 * kMiB);  // served from the remainder, no new segment
+  EXPECT_EQ(Stat("segment.large_pool.current"), 1);
+  allocator_->Free(p);
+  allocator_->Free(q);
+}
+
+TEST_F(CachingAllocatorTest, FreeCoalescesWithBothNeighbours) {
+  void* a = Alloc(kMiB / 2);
+  void* b = Alloc(kMiB / 2);
+  void* c = Alloc(kMiB / 2);
+  allocator_->Free(a);
+  allocator_->Free(c);
+  EXPECT_EQ(Stat("inactive_split.small_pool.current"), 2);
+  allocator_->Free(b);  // merges a, b, c and the tail into one whole segment
+  EXPECT_EQ(Stat("inactive_split.small_pool.current"), 0);
+  EXPECT_EQ(Stat("inactive_split_bytes.small_pool.current"), 0);
+  const Snapshot snap = allocator_->TakeSnapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  ASSERT_EQ(snap.segments[0].blocks.size(), 1u);
+  EXPECT_EQ(snap.segments[0].blocks[0].size, 2 * kMiB);
+  EXPECT_EQ(snap.segments[0].blocks[0].state, BlockState::kInactive);
+}
+
+TEST_F(CachingAllocatorTest, BestFitPicksSmallestSufficientBlock) {
+  // Two dedicated segments (>= 10 MiB requests get their own), freed: 12 MiB and 16 MiB.
+  void* big = Alloc(16 * kMiB);
+  void* small = Alloc(12 * kMiB);
+  allocator_->Free(big);
+  allocator_->Free(small);
+  void* p = Alloc(11 * kMiB);
+  EXPECT_EQ(p, small);
+  void* q = Alloc(13 * kMiB);
+  EXPECT_EQ(q, big);
+  allocator_->Free(p);
+  allocator_->Free(q);
+}
+
+TEST_F(CachingAllocatorTest, MaxSplitSizeKeepsOversizeBlocksWhole) {
+  AllocatorConfig config;
+  config.max_split_size = 20 * kMiB;
+  Reset(config);
+  void* big = Alloc(64 * kMiB);
+  allocator_->Free(big);
+  // A small large-pool request must not carve the oversize block: a new 20 MiB segment is made.
+  void* p = Alloc(2 * kMiB);
+  EXPECT_NE(p, big);
+  EXPECT_EQ(Stat("segment.large_pool.current"), 2);
+  allocator_->Free(p);
+}
+
+TEST_F(CachingAllocatorTest, ZeroSizeReturnsNullAndFreeNullIsNoop) {
+  EXPECT_EQ(Alloc(0), nullptr);
+  EXPECT_NO_THROW(allocator_->Free(nullptr));
+  EXPECT_EQ(Stat("allocation.all.current"), 0);
+  EXPECT_EQ(backend_->num_device_mallocs(), 0);
+}
+
+TEST_F(CachingAllocatorTest, EmptyCacheReleasesOnlyWholeFreeSegments) {
+  void* keep = Alloc(512);
+  void* drop = Alloc(12 * kMiB);
+  allocator_->Free(drop);
+  EXPECT_EQ(Stat("segment.all.current"), 2);
+  allocator_->EmptyCache();
+  EXPECT_EQ(Stat("segment.all.current"), 1);
+  EXPECT_EQ(Stat("num_device_free"), 1);
+  EXPECT_EQ(backend_->bytes_in_use(0), 2 * kMiB);
+  allocator_->Free(keep);
+  allocator_->EmptyCache();
+  EXPECT_EQ(backend_->bytes_in_use(0), 0u);
+  EXPECT_EQ(Stat("reserved_bytes.all.current"), 0);
+}
+
+TEST_F(CachingAllocatorTest, MemoryLimitInBytesIsEnforced) {
+  AllocatorConfig config;
+  config.memory_limit_bytes = 30 * kMiB;
+  Reset(config);
+  void* a = Alloc(12 * kMiB);
+  void* b = Alloc(12 * kMiB);
+  EXPECT_THROW(Alloc(12 * kMiB), OutOfMemoryError);
+  EXPECT_LE(Stat("reserved_bytes.all.peak"), int64_t{30 << 20});
+  allocator_->Free(a);
+  allocator_->Free(b);
+}
+
+TEST_F(CachingAllocatorTest, MemoryFractionLimitsAndCanBeChanged) {
+  Reset(AllocatorConfig{}, 100 * kMiB);
+  allocator_->SetMemoryFraction(0.25, 0);
+  EXPECT_EQ(allocator_->memory_limit(0), 25 * kMiB);
+  EXPECT_THROW(Alloc(30 * kMiB), OutOfMemoryError);
+  allocator_->SetMemoryFraction(0.5, 0);
+  void* p = Alloc(30 * kMiB);
+  allocator_->Free(p);
+  allocator_->SetMemoryFraction(0.0, 0);
+  EXPECT_EQ(allocator_->memory_limit(0), 0u);
+}
+
+TEST_F(CachingAllocatorTest, GarbageCollectionReleasesOldFreeSegmentsBeforeGrowing) {
+  AllocatorConfig config;
+  config.memory_limit_bytes = 64 * kMiB;
+  config.garbage_collection_threshold = 0.5;
+  Reset(config);
+  void* a = Alloc(12 * kMiB);
+  void* b = Alloc(12 * kMiB);
+  allocator_->Free(a);
+  allocator_->Free(b);
+  // 24 MiB cached; a 16 MiB segment would pass 32 MiB (the threshold), so cached ones go first.
+  void* c = Alloc(16 * kMiB);
+  EXPECT_LE(Stat("reserved_bytes.all.current"), int64_t{32 << 20});
+  EXPECT_GE(Stat("num_device_free"), 1);
+  allocator_->Free(c);
+}
+
+TEST_F(CachingAllocatorTest, DevicesAreIndependent) {
+  Reset(AllocatorConfig{}, 64 * kMiB, 2);
+  void* p0 = allocator_->Malloc(4096, 0, backend_->default_stream(0));
+  void* p1 = allocator_->Malloc(4096, 1, backend_->default_stream(1));
+  EXPECT_EQ(allocator_->FlatStats(1).at("allocation.all.current"), 1);
+  EXPECT_EQ(allocator_->Lookup(p1)->device, 1);
+  allocator_->Free(p1);  // found without naming the device
+  allocator_->Free(p0, 0);
+  EXPECT_EQ(allocator_->FlatStats(1).at("allocation.all.current"), 0);
+  EXPECT_EQ(allocator_->FlatStats(0).at("allocation.all.current"), 0);
+}
+
+TEST_F(CachingAllocatorTest, LookupReportsRequestedAndRoundedSize) {
+  void* p = Alloc(1000);
+  const auto info = allocator_->Lookup(p);
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->requested, 1000u);
+  EXPECT_EQ(info->size, 1024u);
+  EXPECT_EQ(info->stream.id, stream_.id);
+  allocator_->Free(p);
+  EXPECT_FALSE(allocator_->Lookup(p).has_value());
+}
+
+}  // namespace
+}  // namespace spillway::testing

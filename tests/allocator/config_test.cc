@@ -1,0 +1,456 @@
+#include "allocator/config.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace spillway {
+namespace {
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+using Divisions = std::array<size_t, kRoundupPower2Intervals>;
+
+// The error's message, for substring checks; empty when the parse unexpectedly succeeded.
+template <typename T>
+std::string ErrorOf(const absl::StatusOr<T>& result) {
+  return result.ok() ? std::string() : std::string(result.status().message());
+}
+
+::testing::AssertionResult Contains(const std::string& text, std::string_view part) {
+  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "\"" << text << "\" does not contain \"" << part << "\"";
+}
+
+// Expects `text` to be rejected with InvalidArgument and a message containing every part.
+void ExpectRejected(std::string_view text, const std::vector<std::string_view>& parts) {
+  SCOPED_TRACE(std::string(text));
+  const absl::StatusOr<Config> result = ParseConfig(text);
+  ASSERT_FALSE(result.ok()) << "accepted";
+  EXPECT_EQ(result.status().code(), absl::StatusCode::kInvalidArgument);
+  for (std::string_view part : parts) EXPECT_TRUE(Contains(ErrorOf(result), part));
+}
+
+Config ParseOk(std::string_view text) {
+  absl::StatusOr<Config> result = ParseConfig(text);
+  EXPECT_TRUE(result.ok()) << text << ": " << result.status();
+  return result.ok() ? *result : Config{};
+}
+
+Divisions ParseDivisionsOk(std::string_view value) {
+  return ParseOk("roundup_power2_divisions:" + std::string(value))
+      .allocator.roundup_power2_divisions;
+}
+
+void ExpectDefaults(const Config& config) {
+  const Config defaults;
+  EXPECT_EQ(config.allocator.max_split_size, defaults.allocator.max_split_size);
+  EXPECT_EQ(config.allocator.roundup_power2_divisions, Divisions{});
+  EXPECT_EQ(config.allocator.garbage_collection_threshold, 0.0);
+  EXPECT_EQ(config.allocator.per_process_memory_fraction, 0.0);
+  EXPECT_EQ(config.allocator.memory_limit_bytes, 0u);
+  EXPECT_EQ(config.allocator.history_entries, 100000u);
+  EXPECT_EQ(config.offload.policy, OffloadPolicy::kAuto);
+  EXPECT_EQ(config.offload.budget_bytes, 0u);
+  EXPECT_EQ(config.offload.budget_fraction, 0.8);
+  EXPECT_EQ(config.offload.min_bytes, kMiB);
+  EXPECT_EQ(config.offload.prefetch_bytes, 256 * kMiB);
+  EXPECT_EQ(config.offload.host_limit_bytes, 0u);
+  EXPECT_EQ(config.device, DeviceKind::kCuda);
+  EXPECT_EQ(config.sim_capacity_bytes, size_t{1} << 30);
+  EXPECT_EQ(config.sim_devices, 1);
+  EXPECT_FALSE(config.backend_spillway);
+}
+
+TEST(ConfigTest, EmptyAndBlankStringsGiveDefaults) {
+  ExpectDefaults(ParseOk(""));
+  ExpectDefaults(ParseOk("   \t "));
+}
+
+TEST(ConfigTest, MaxSplitSize) {
+  EXPECT_EQ(ParseOk("max_split_size_mb:20").allocator.max_split_size, 20 * kMiB);
+  EXPECT_EQ(ParseOk("max_split_size_mb:1024").allocator.max_split_size, size_t{1} << 30);
+  ExpectRejected("max_split_size_mb:19", {"'19'", "'max_split_size_mb'", ">= 20"});
+  ExpectRejected("max_split_size_mb:0", {"'max_split_size_mb'", ">= 20"});
+}
+
+TEST(ConfigTest, IntegerOverflowIsTooLarge) {
+  // Does not fit in 64 bits at all.
+  ExpectRejected("max_split_size_mb:99999999999999999999", {"'max_split_size_mb'", "too large"});
+  // Fits in 64 bits as MiB but not as bytes (2^44 MiB = 2^64 bytes).
+  ExpectRejected("max_split_size_mb:17592186044416", {"too large"});
+  ExpectRejected("offload_min_kb:18014398509481984", {"'offload_min_kb'", "too large"});
+  ExpectRejected("history_entries:99999999999999999999", {"too large"});
+  // The largest MiB count that still fits is accepted.
+  EXPECT_EQ(ParseOk("memory_limit_mb:17592186044415").allocator.memory_limit_bytes,
+            size_t{17592186044415} << 20);
+}
+
+TEST(ConfigTest, IntegersAreDecimalDigitsOnly) {
+  for (std::string_view value : {"-5", "+5", "0x10", "1 0", "1.5", "1e3", "", "abc", "12abc"}) {
+    ExpectRejected("memory_limit_mb:" + std::string(value),
+                   {"bad value '" + std::string(value) + "'", "'memory_limit_mb'",
+                    "non-negative integer (MiB"});
+  }
+}
+
+TEST(ConfigTest, BadIntegerMessageIsExact) {
+  const absl::StatusOr<Config> result = ParseConfig("offload_min_kb:abc");
+  EXPECT_EQ(ErrorOf(result),
+            "bad value 'abc' for key 'offload_min_kb': expected a non-negative integer (KiB)");
+}
+
+TEST(ConfigTest, RoundupDivisionsSingleValue) {
+  Divisions fours;
+  fours.fill(4);
+  EXPECT_EQ(ParseDivisionsOk("4"), fours);
+  Divisions ones;
+  ones.fill(1);
+  EXPECT_EQ(ParseDivisionsOk("1"), ones);
+  EXPECT_EQ(ParseDivisionsOk("0"), Divisions{});
+  for (std::string_view value : {"3", "6", "-4", "0x4", "4.0", "99999999999999999999"}) {
+    ExpectRejected("roundup_power2_divisions:" + std::string(value),
+                   {"'roundup_power2_divisions'", "power of two"});
+  }
+}
+
+TEST(ConfigTest, RoundupDivisionsPytorchExampleList) {
+  // 256 MiB is interval 8; the first entry also covers intervals 0..7; `>` starts after 1024's.
+  const Divisions expected = {1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 4, 8, 8, 8, 8, 8};
+  EXPECT_EQ(ParseDivisionsOk("[256:1,512:2,1024:4,>:8]"), expected);
+}
+
+TEST(ConfigTest, RoundupDivisionsFillForwardBetweenEntries) {
+  // 1 MiB -> interval 0, 64 MiB -> interval 6; without `>` the last entry runs to the end.
+  const Divisions expected = {2, 2, 2, 2, 2, 2, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4};
+  EXPECT_EQ(ParseDivisionsOk("[1:2,64:4]"), expected);
+}
+
+TEST(ConfigTest, RoundupDivisionsRestOnlyAndClamping) {
+  Divisions sixteens;
+  sixteens.fill(16);
+  EXPECT_EQ(ParseDivisionsOk("[>:16]"), sixteens);
+  // Sizes past 32 GiB clamp to the last interval, as in PyTorch.
+  Divisions clamped;
+  clamped.fill(1);
+  clamped[15] = 8;
+  EXPECT_EQ(ParseDivisionsOk("[1:1,65536:8]"), clamped);
+  // `>` after the last interval changes nothing.
+  Divisions twos;
+  twos.fill(2);
+  EXPECT_EQ(ParseDivisionsOk("[32768:2,>:8]"), twos);
+}
+
+TEST(ConfigTest, RoundupDivisionsListErrors) {
+  const std::string key = "roundup_power2_divisions:";
+  ExpectRejected(key + "[256:3]", {"entry 1 '256:3'", "divisions must be 0 or a power of two"});
+  ExpectRejected(key + "[300:2]", {"entry 1 '300:2'", "size must be a power of two"});
+  ExpectRejected(key + "[0:2]", {"size must be a power of two"});
+  ExpectRejected(key + "[512:2,256:1]", {"entry 2 '256:1'", "sizes must increase"});
+  ExpectRejected(key + "[256:2,256:4]", {"sizes must increase"});
+  ExpectRejected(key + "[>:8,256:1]", {"entry 2", "'>' must be the last entry"});
+  ExpectRejected(key + "[256]", {"expected size:divisions"});
+  ExpectRejected(key + "[256:1,]", {"entry 2"});
+  ExpectRejected(key + "[]", {"'roundup_power2_divisions'"});
+  ExpectRejected(key + "[256:x]", {"divisions must be a non-negative integer"});
+  ExpectRejected(key + "[1:2]x[3:4]", {"'roundup_power2_divisions'"});
+}
+
+TEST(ConfigTest, RepeatedDivisionsReplaceTheWholeTable) {
+  const Divisions expected = {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2};
+  EXPECT_EQ(ParseOk("roundup_power2_divisions:[1:1,1024:8],roundup_power2_divisions:2")
+                .allocator.roundup_power2_divisions,
+            expected);
+}
+
+TEST(ConfigTest, Fractions) {
+  const Config config = ParseOk(
+      "garbage_collection_threshold:0.6,per_process_memory_fraction:1,"
+      "offload_budget_fraction:.25");
+  EXPECT_DOUBLE_EQ(config.allocator.garbage_collection_threshold, 0.6);
+  EXPECT_DOUBLE_EQ(config.allocator.per_process_memory_fraction, 1.0);
+  EXPECT_DOUBLE_EQ(config.offload.budget_fraction, 0.25);
+  EXPECT_DOUBLE_EQ(
+      ParseOk("per_process_memory_fraction:5e-1").allocator.per_process_memory_fraction, 0.5);
+}
+
+TEST(ConfigTest, GarbageCollectionThresholdIsOpenInterval) {
+  for (std::string_view value :
+       {"0", "1", "1.0", "1.5", "-0.5", "nan", "inf", "-inf", "0.5x", "", "0x0.8", "1e400", " "}) {
+    ExpectRejected("garbage_collection_threshold:" + std::string(value),
+                   {"'garbage_collection_threshold'", "strictly between 0 and 1"});
+  }
+}
+
+TEST(ConfigTest, FractionsUpToOneRejectOutOfRange) {
+  for (std::string_view key : {"per_process_memory_fraction", "offload_budget_fraction"}) {
+    for (std::string_view value : {"0", "1.01", "nan", "0.5.5", "50%"}) {
+      ExpectRejected(std::string(key) + ":" + std::string(value),
+                     {"'" + std::string(key) + "'", "in (0, 1]"});
+    }
+  }
+}
+
+TEST(ConfigTest, EverySpillwayKeyHappyPath) {
+  const Config config = ParseOk(
+      "backend:spillway,device:sim,capacity_mb:2048,sim_devices:16,memory_limit_mb:512,"
+      "history_entries:10000000,offload:eager,offload_budget_mb:300,offload_budget_fraction:0.5,"
+      "offload_min_kb:64,prefetch_mb:0,host_limit_mb:4096");
+  EXPECT_TRUE(config.backend_spillway);
+  EXPECT_EQ(config.device, DeviceKind::kSim);
+  EXPECT_EQ(config.sim_capacity_bytes, 2048 * kMiB);
+  EXPECT_EQ(config.sim_devices, 16);
+  EXPECT_EQ(config.allocator.memory_limit_bytes, 512 * kMiB);
+  EXPECT_EQ(config.allocator.history_entries, 10000000u);
+  EXPECT_EQ(config.offload.policy, OffloadPolicy::kEager);
+  EXPECT_EQ(config.offload.budget_bytes, 300 * kMiB);
+  EXPECT_DOUBLE_EQ(config.offload.budget_fraction, 0.5);
+  EXPECT_EQ(config.offload.min_bytes, 64u * 1024);
+  EXPECT_EQ(config.offload.prefetch_bytes, 0u);
+  EXPECT_EQ(config.offload.host_limit_bytes, 4096 * kMiB);
+
+  EXPECT_EQ(ParseOk("device:cuda,offload:off").offload.policy, OffloadPolicy::kOff);
+  EXPECT_EQ(ParseOk("offload:auto").offload.policy, OffloadPolicy::kAuto);
+  EXPECT_EQ(ParseOk("memory_limit_mb:0,offload_min_kb:0").offload.min_bytes, 0u);
+}
+
+TEST(ConfigTest, IntegerRanges) {
+  ExpectRejected("sim_devices:0", {"'sim_devices'", "from 1 to 16"});
+  ExpectRejected("sim_devices:17", {"'sim_devices'", "from 1 to 16"});
+  ExpectRejected("history_entries:0", {"'history_entries'", "from 1 to 10000000"});
+  ExpectRejected("history_entries:10000001", {"from 1 to 10000000"});
+  ExpectRejected("capacity_mb:0", {"'capacity_mb'", "positive integer (MiB)"});
+  ExpectRejected("offload_budget_mb:0", {"'offload_budget_mb'", "positive integer (MiB)"});
+  ExpectRejected("prefetch_mb:-1", {"'prefetch_mb'", "non-negative integer (MiB)"});
+  ExpectRejected("host_limit_mb:1k", {"'host_limit_mb'"});
+}
+
+TEST(ConfigTest, ChoiceErrorsListTheChoices) {
+  EXPECT_EQ(ErrorOf(ParseConfig("offload:fast")),
+            "bad value 'fast' for key 'offload': expected one of off, eager, auto");
+  ExpectRejected("offload:Eager", {"one of off, eager, auto"});
+  ExpectRejected("device:gpu", {"'gpu'", "'device'", "one of cuda, sim"});
+}
+
+TEST(ConfigTest, BackendOnlyTakesSpillway) {
+  for (std::string_view value : {"native", "cudaMallocAsync", "Spillway", ""}) {
+    ExpectRejected("backend:" + std::string(value),
+                   {"'backend'", "only takes backend:spillway", "chosen by PyTorch"});
+  }
+}
+
+TEST(ConfigTest, UnknownKeyNamesKeyAndListsAcceptedKeys) {
+  const std::string error = ErrorOf(ParseConfig("max_split_size:5"));
+  EXPECT_TRUE(Contains(error,
+                       "unknown key 'max_split_size' in allocator config "
+                       "\"max_split_size:5\"; accepted keys: max_split_size_mb, "
+                       "roundup_power2_divisions, "));
+  for (const auto* keys : {&PytorchKeys(), &SpillwayKeys()}) {
+    for (std::string_view key : *keys) EXPECT_TRUE(Contains(error, key));
+  }
+  // Keys are case-sensitive, and PyTorch-only keys are not Spillway's.
+  ExpectRejected("Max_Split_Size_MB:64", {"unknown key 'Max_Split_Size_MB'"});
+  ExpectRejected("expandable_segments:True", {"unknown key 'expandable_segments'"});
+}
+
+TEST(ConfigTest, KeyListsAreDisjointAndComplete) {
+  EXPECT_EQ(PytorchKeys(), (std::vector<std::string_view>{
+                               "max_split_size_mb", "roundup_power2_divisions",
+                               "garbage_collection_threshold", "per_process_memory_fraction"}));
+  EXPECT_EQ(SpillwayKeys().size(), 12u);
+  EXPECT_EQ(SpillwayKeys().front(), "backend");
+  for (std::string_view key : SpillwayKeys()) {
+    EXPECT_EQ(std::find(PytorchKeys().begin(), PytorchKeys().end(), key), PytorchKeys().end())
+        << key;
+  }
+}
+
+TEST(ConfigTest, WhitespaceAroundTokensIsTolerated) {
+  const Config config = ParseOk(
+      "  max_split_size_mb : 64 ,\toffload:  eager\t, roundup_power2_divisions : [ 256 : 1 , > : 8 "
+      "] ");
+  EXPECT_EQ(config.allocator.max_split_size, 64 * kMiB);
+  EXPECT_EQ(config.offload.policy, OffloadPolicy::kEager);
+  EXPECT_EQ(config.allocator.roundup_power2_divisions[8], 1u);
+  EXPECT_EQ(config.allocator.roundup_power2_divisions[9], 8u);
+  // Whitespace inside a number is not "around" a token.
+  ExpectRejected("max_split_size_mb:6 4", {"'6 4'"});
+}
+
+TEST(ConfigTest, RepeatedKeyLastWins) {
+  const Config config = ParseOk("offload:off,max_split_size_mb:64,offload:eager");
+  EXPECT_EQ(config.offload.policy, OffloadPolicy::kEager);
+  EXPECT_EQ(ParseOk("max_split_size_mb:64,max_split_size_mb:32").allocator.max_split_size,
+            32 * kMiB);
+}
+
+TEST(ConfigTest, BaseConfigIsCarriedThrough) {
+  Config base;
+  base.device = DeviceKind::kSim;
+  base.sim_devices = 4;
+  base.offload.policy = OffloadPolicy::kOff;
+  base.allocator.max_split_size = 100 * kMiB;
+  base.allocator.roundup_power2_divisions.fill(2);
+
+  const absl::StatusOr<Config> result = ParseConfig("max_split_size_mb:32", base);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(result->allocator.max_split_size, 32 * kMiB);
+  EXPECT_EQ(result->device, DeviceKind::kSim);
+  EXPECT_EQ(result->sim_devices, 4);
+  EXPECT_EQ(result->offload.policy, OffloadPolicy::kOff);
+  EXPECT_EQ(result->allocator.roundup_power2_divisions[15], 2u);
+
+  const absl::StatusOr<Config> unchanged = ParseConfig("", base);
+  ASSERT_TRUE(unchanged.ok());
+  EXPECT_EQ(unchanged->allocator.max_split_size, 100 * kMiB);
+}
+
+TEST(ConfigTest, MalformedItemsNameItemAndPosition) {
+  ExpectRejected("offload:eager,max_split_size_mb",
+                 {"malformed item 2 'max_split_size_mb'", "expected key:value"});
+  ExpectRejected(":5", {"malformed item 1 ':5'", "empty key"});
+  ExpectRejected("offload:eager,,prefetch_mb:1", {"malformed item 2", "empty item"});
+  ExpectRejected(",offload:eager", {"malformed item 1", "empty item"});
+  ExpectRejected("roundup_power2_divisions:[256:1,>:8",
+                 {"malformed item 1 'roundup_power2_divisions:[256:1,>:8'", "never closed"});
+  ExpectRejected("offload:eager,roundup_power2_divisions:256:1]",
+                 {"malformed item 2", "unbalanced ']'"});
+  ExpectRejected("roundup_power2_divisions:[[256:1]]", {"malformed item 1", "nested '['"});
+  ExpectRejected("prefetch_mb:1,x]:[", {"malformed item 2", "unbalanced ']'"});
+}
+
+TEST(ConfigTest, TrailingCommaAcceptedLikePytorch) {
+  EXPECT_EQ(ParseOk("offload:eager,").offload.policy, OffloadPolicy::kEager);
+  ExpectRejected(",", {"empty item"});
+}
+
+TEST(ConfigTest, CommasInsideBracketsDoNotSplitItems) {
+  const Config config = ParseOk("roundup_power2_divisions:[1:1,2:2,4:4],prefetch_mb:8");
+  EXPECT_EQ(config.allocator.roundup_power2_divisions[0], 1u);
+  EXPECT_EQ(config.allocator.roundup_power2_divisions[1], 2u);
+  EXPECT_EQ(config.allocator.roundup_power2_divisions[15], 4u);
+  EXPECT_EQ(config.offload.prefetch_bytes, 8 * kMiB);
+}
+
+class ConfigEnvironmentTest : public ::testing::Test {
+ protected:
+  static constexpr char kVariable[] = "SPILLWAY_ALLOC_CONF";
+
+  void SetUp() override {
+    if (const char* value = std::getenv(kVariable)) saved_ = value;
+  }
+  void TearDown() override {
+    if (saved_) {
+      setenv(kVariable, saved_->c_str(), 1);
+    } else {
+      unsetenv(kVariable);
+    }
+  }
+
+ private:
+  std::optional<std::string> saved_;
+};
+
+TEST_F(ConfigEnvironmentTest, UnsetOrEmptyGivesDefaults) {
+  unsetenv(kVariable);
+  absl::StatusOr<Config> config = ConfigFromEnvironment();
+  ASSERT_TRUE(config.ok()) << config.status();
+  ExpectDefaults(*config);
+
+  setenv(kVariable, "", 1);
+  config = ConfigFromEnvironment();
+  ASSERT_TRUE(config.ok()) << config.status();
+  ExpectDefaults(*config);
+}
+
+TEST_F(ConfigEnvironmentTest, ReadsTheVariable) {
+  setenv(kVariable, "device:sim,sim_devices:2,offload:off", 1);
+  const absl::StatusOr<Config> config = ConfigFromEnvironment();
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->device, DeviceKind::kSim);
+  EXPECT_EQ(config->sim_devices, 2);
+  EXPECT_EQ(config->offload.policy, OffloadPolicy::kOff);
+}
+
+TEST_F(ConfigEnvironmentTest, ErrorsArePrefixedWithTheVariableName) {
+  setenv(kVariable, "offload:fast", 1);
+  const absl::StatusOr<Config> config = ConfigFromEnvironment();
+  ASSERT_FALSE(config.ok());
+  EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ErrorOf(config),
+            "SPILLWAY_ALLOC_CONF: bad value 'fast' for key 'offload': expected one of off, eager, "
+            "auto");
+}
+
+SplitConfig SplitOk(std::string_view text) {
+  absl::StatusOr<SplitConfig> split = SplitPytorchConfig(text);
+  EXPECT_TRUE(split.ok()) << text << ": " << split.status();
+  return split.ok() ? *split : SplitConfig{};
+}
+
+TEST(SplitPytorchConfigTest, MixedStringKeepsItemTextAndOrder) {
+  const SplitConfig split = SplitOk(
+      "expandable_segments:True, backend:spillway ,max_split_size_mb:128,offload : eager,"
+      "roundup_power2_divisions:[256:1, >:4],pinned_num_register_threads:8");
+  EXPECT_EQ(split.spillway_only, "backend:spillway,offload : eager");
+  EXPECT_EQ(split.pytorch,
+            "expandable_segments:True,max_split_size_mb:128,roundup_power2_divisions:[256:1, >:4],"
+            "pinned_num_register_threads:8");
+}
+
+TEST(SplitPytorchConfigTest, OnlyPytorchItems) {
+  const SplitConfig split = SplitOk("backend:cudaMallocAsync,expandable_segments:True");
+  EXPECT_EQ(split.spillway_only, "");
+  EXPECT_EQ(split.pytorch, "backend:cudaMallocAsync,expandable_segments:True");
+  // PyTorch keys Spillway does not know, with values Spillway could not parse, pass untouched.
+  EXPECT_EQ(SplitOk("some_future_key:[a:b,c:d]").pytorch, "some_future_key:[a:b,c:d]");
+}
+
+TEST(SplitPytorchConfigTest, OnlySpillwayItems) {
+  const SplitConfig split = SplitOk("backend:spillway,device:sim,capacity_mb:64,");
+  EXPECT_EQ(split.spillway_only, "backend:spillway,device:sim,capacity_mb:64");
+  EXPECT_EQ(split.pytorch, "");
+  // What Split hands Spillway parses back to the same settings.
+  const Config config = ParseOk(split.spillway_only);
+  EXPECT_TRUE(config.backend_spillway);
+  EXPECT_EQ(config.sim_capacity_bytes, 64 * kMiB);
+}
+
+TEST(SplitPytorchConfigTest, EmptyString) {
+  const SplitConfig split = SplitOk("");
+  EXPECT_EQ(split.spillway_only, "");
+  EXPECT_EQ(split.pytorch, "");
+}
+
+TEST(SplitPytorchConfigTest, BadSpillwayValueIsAnError) {
+  const absl::StatusOr<SplitConfig> split =
+      SplitPytorchConfig("expandable_segments:True,offload:fast");
+  ASSERT_FALSE(split.ok());
+  EXPECT_EQ(split.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ErrorOf(split), "bad value 'fast' for key 'offload': expected one of off, eager, auto");
+  EXPECT_FALSE(SplitPytorchConfig("sim_devices:99").ok());
+}
+
+TEST(SplitPytorchConfigTest, MalformedStringIsAnError) {
+  EXPECT_TRUE(Contains(ErrorOf(SplitPytorchConfig("expandable_segments:True,roundup:[1:2")),
+                       "malformed item 2"));
+}
+
+TEST(OffloadPolicyNameTest, NamesMatchConfigValues) {
+  for (OffloadPolicy policy : {OffloadPolicy::kOff, OffloadPolicy::kEager, OffloadPolicy::kAuto}) {
+    const std::string name(OffloadPolicyName(policy));
+    EXPECT_EQ(ParseOk("offload:" + name).offload.policy, policy) << name;
+  }
+  EXPECT_EQ(OffloadPolicyName(OffloadPolicy::kEager), "eager");
+}
+
+}  // namespace
+}  // namespace spillway

@@ -1,0 +1,821 @@
+// Randomized differential test of the caching allocator against a reference model kept here.
+//
+// Thousands of random operations (malloc, free, record_stream with real asynchronous copies on
+// other streams, stream synchronization, event processing, empty_cache, memory pressure) run
+// over three streams of a jittered SimBackend device. After every step the allocator's snapshot
+// and statistics are compared with the model:
+//  - live allocations never overlap (each other or blocks awaiting stream events) and each lies
+//    in a segment of its stream and pool, with the size the size policy allows;
+//  - the snapshot's active_allocated blocks are exactly the live set, its active_pending_free
+//    blocks exactly the frees still waiting for stream events;
+//  - every segment is tiled by contiguous blocks, free neighbours are always merged;
+//  - every statistic (PyTorch names) equals what the model and the snapshot say, per pool;
+//  - best fit: when nothing else can have changed, a malloc returns exactly the block the
+//    (stream, size, address) order predicts, or a fresh segment when none fits;
+//  - an out-of-memory error only comes when nothing could have served the request.
+// Data isolation is checked with per-allocation byte patterns, and stream safety with copies
+// enqueued on other streams before a free: a copy that reads a block after it was handed out again
+// sees the wrong pattern, a copy that writes it corrupts the new owner's pattern.
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <optional>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "allocator/backend.h"
+#include "allocator/caching_allocator.h"
+#include "allocator/config.h"
+#include "allocator/errors.h"
+#include "allocator/sim_backend.h"
+#include "allocator/size_policy.h"
+#include "allocator/snapshot.h"
+#include "allocator/stats.h"
+#include "gtest/gtest.h"
+
+namespace spillway {
+namespace {
+
+constexpr size_t kKiB = size_t{1} << 10;
+constexpr size_t kMiB = size_t{1} << 20;
+constexpr int kNumStreams = 3;
+constexpr size_t kCapacity = 256 * kMiB;
+// Copies on other streams touch at most this prefix of a block (keeps the test fast).
+constexpr size_t kMaxCopyBytes = 64 * kKiB;
+
+// ---- Byte patterns ------------------------------------------------------------------------------
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+// A 4 KiB template unique to `tag`, repeated over the allocation.
+class Pattern {
+ public:
+  static constexpr size_t kBytes = 4096;
+
+  explicit Pattern(uint64_t tag) {
+    for (size_t i = 0; i < words_.size(); ++i) words_[i] = SplitMix64(tag * words_.size() + i);
+  }
+
+  void Fill(void* dst, size_t n) const {
+    auto* out = static_cast<unsigned char*>(dst);
+    for (size_t off = 0; off < n; off += kBytes) {
+      std::memcpy(out + off, words_.data(), std::min(kBytes, n - off));
+    }
+  }
+
+  // Offset of the first byte of [p, p + n) that differs from the pattern, or n.
+  size_t FirstMismatch(const void* p, size_t n) const {
+    const auto* in = static_cast<const unsigned char*>(p);
+    const auto* expected = reinterpret_cast<const unsigned char*>(words_.data());
+    for (size_t off = 0; off < n; off += kBytes) {
+      const size_t len = std::min(kBytes, n - off);
+      if (std::memcmp(in + off, expected, len) == 0) continue;
+      for (size_t i = 0; i < len; ++i) {
+        if (in[off + i] != expected[i]) return off + i;
+      }
+    }
+    return n;
+  }
+
+ private:
+  std::array<uint64_t, kBytes / sizeof(uint64_t)> words_;
+};
+
+// ---- Reference model ----------------------------------------------------------------------------
+
+struct LiveAlloc {
+  size_t requested = 0;
+  size_t rounded = 0;     // SizePolicy::RoundSize(requested)
+  size_t block_size = 0;  // what the allocator handed out (>= rounded)
+  PoolKind pool = PoolKind::kSmall;
+  int stream = 0;
+  uint64_t tag = 0;
+  std::set<int> uses;  // streams other than `stream` named by record_stream
+};
+
+struct PendingFree {
+  size_t requested = 0;
+  size_t block_size = 0;
+  PoolKind pool = PoolKind::kSmall;
+  int stream = 0;
+  // Use streams not synchronized since the free: once empty, the next event processing must
+  // release the block.
+  std::set<int> outstanding;
+  // Recorded on every use stream just before the free, so each completes no later than the
+  // allocator's own event: a released block must find all of them complete.
+  std::vector<EventHandle> markers;
+};
+
+// An asynchronous copy on another stream and the host buffer it uses, kept until it ran.
+struct InflightCopy {
+  EventHandle done = nullptr;  // recorded on the stream right after the copy
+  std::unique_ptr<unsigned char[]> host;
+  size_t bytes = 0;
+  bool verify = false;  // device-to-host: the buffer must hold `tag`'s pattern
+  uint64_t tag = 0;
+};
+
+struct Expected {
+  std::array<int64_t, 3> allocation{}, allocated_bytes{}, requested_bytes{}, active{},
+      active_bytes{}, segment{}, reserved_bytes{}, inactive_split{}, inactive_split_bytes{};
+};
+
+int PoolIndex(PoolKind kind) { return 1 + static_cast<int>(kind); }
+
+void CheckStat(const char* name, const StatArray& actual, const std::array<int64_t, 3>& expected) {
+  static constexpr const char* kPools[] = {"all", "small_pool", "large_pool"};
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(actual.by_pool[i].current, expected[i]) << name << "." << kPools[i] << ".current";
+    EXPECT_GE(actual.by_pool[i].peak, actual.by_pool[i].current) << name << "." << kPools[i];
+    EXPECT_EQ(actual.by_pool[i].allocated - actual.by_pool[i].freed, actual.by_pool[i].current)
+        << name << "." << kPools[i] << ": allocated - freed != current";
+  }
+}
+
+struct DiffParam {
+  const char* name;
+  uint64_t seed;
+  AllocatorConfig config;
+};
+
+AllocatorConfig SplitLimitsConfig() {
+  AllocatorConfig config;
+  config.max_split_size = 6 * kMiB;
+  config.roundup_power2_divisions.fill(4);
+  return config;
+}
+
+class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
+ protected:
+  AllocatorDifferentialTest()
+      : rng_(GetParam().seed),
+        policy_(GetParam().config),
+        backend_(std::make_shared<SimBackend>(
+            SimBackend::Options{.devices = 1,
+                                .capacity_bytes = kCapacity,
+                                .host_capacity_bytes = 0,
+                                .max_jitter = std::chrono::microseconds(150),
+                                .seed = GetParam().seed})),
+        alloc_(backend_, GetParam().config) {
+    streams_[0] = backend_->default_stream(0);
+    for (int s = 1; s < kNumStreams; ++s) streams_[s] = backend_->create_stream(0);
+  }
+
+  ~AllocatorDifferentialTest() override {
+    // Let every queued copy finish before host buffers and events go away.
+    for (int s = 0; s < kNumStreams; ++s) backend_->synchronize_stream(0, streams_[s].handle);
+    for (InflightCopy& c : inflight_) backend_->destroy_event(0, c.done);
+    for (auto& [addr, p] : pending_) {
+      for (EventHandle e : p.markers) backend_->destroy_event(0, e);
+    }
+  }
+
+  // ---- Randomness ----
+
+  uint64_t Uniform(uint64_t lo, uint64_t hi) {  // inclusive
+    return std::uniform_int_distribution<uint64_t>(lo, hi)(rng_);
+  }
+  bool Chance(int percent) { return Uniform(0, 99) < static_cast<uint64_t>(percent); }
+
+  size_t RandomSize() {
+    static constexpr size_t kEdges[] = {
+        1,        511,      512,           513,       kMiB - 1,      kMiB,
+        kMiB + 1, 2 * kMiB, 10 * kMiB - 1, 10 * kMiB, 10 * kMiB + 1, 20 * kMiB};
+    const uint64_t r = Uniform(0, 999);
+    if (r < 20) return kEdges[Uniform(0, std::size(kEdges) - 1)];
+    if (r < 450) return Uniform(1, size_t{1} << Uniform(0, 12));  // up to 4 KiB, log-skewed
+    if (r < 750) return Uniform(4 * kKiB, 256 * kKiB);
+    if (r < 900) return Uniform(256 * kKiB, kMiB);
+    if (r < 975) return Uniform(kMiB, 10 * kMiB);
+    return Uniform(10 * kMiB, 30 * kMiB);
+  }
+
+  int RandomStream() { return static_cast<int>(Uniform(0, kNumStreams - 1)); }
+  int OtherStream(int s) {
+    return (s + 1 + static_cast<int>(Uniform(0, kNumStreams - 2))) % kNumStreams;
+  }
+
+  std::map<uintptr_t, LiveAlloc>::iterator RandomLive() {
+    return std::next(live_.begin(), static_cast<std::ptrdiff_t>(Uniform(0, live_.size() - 1)));
+  }
+
+  // ---- Operations ----
+
+  // Returns true when the allocator may have processed stream events during the step.
+  bool DoMalloc(size_t size) {
+    const int s = RandomStream();
+    const size_t rounded = policy_.RoundSize(size);
+    const PoolKind pool = SizePolicy::PoolFor(rounded);
+    const size_t segment_size = SizePolicy::SegmentSize(rounded);
+    const DeviceStats before = alloc_.stats(0);
+
+    // Best fit as the model sees it (valid unless events or the OOM ladder change the pools).
+    const BlockSnapshot* best = nullptr;
+    for (const SegmentSnapshot& seg : last_.segments) {
+      if (seg.stream != streams_[s].id || seg.pool != pool) continue;
+      for (const BlockSnapshot& b : seg.blocks) {
+        if (b.state != BlockState::kInactive || b.size < rounded) continue;
+        if (best == nullptr || b.size < best->size ||
+            (b.size == best->size && b.address < best->address)) {
+          best = &b;
+        }
+      }
+    }
+    std::optional<uintptr_t> predicted;  // nullopt: a new segment
+    if (best != nullptr && policy_.AcceptsBlock(best->size, rounded)) predicted = best->address;
+    std::set<uintptr_t> old_segments;
+    for (const SegmentSnapshot& seg : last_.segments) old_segments.insert(seg.address);
+
+    void* p = nullptr;
+    try {
+      p = alloc_.Malloc(size, 0, streams_[s]);
+    } catch (const OutOfMemoryError& e) {
+      ++counts_.ooms;
+      CheckOutOfMemory(e, s, rounded, pool, segment_size, before);
+      return true;
+    }
+    ++counts_.mallocs;
+    const auto addr = reinterpret_cast<uintptr_t>(p);
+    EXPECT_NE(p, nullptr);
+    EXPECT_EQ(addr % kMinBlockSize, 0u) << "allocations are 512-byte aligned";
+
+    const std::optional<AllocationInfo> info = alloc_.Lookup(p);
+    EXPECT_TRUE(info.has_value());
+    if (!info.has_value()) return true;
+    EXPECT_EQ(info->requested, size);
+    EXPECT_EQ(info->stream.id, streams_[s].id);
+    EXPECT_GE(info->size, rounded);
+    if (info->size > rounded) {
+      EXPECT_FALSE(policy_.ShouldSplit(pool, info->size, rounded))
+          << "block of " << info->size << " for a " << rounded
+          << "-byte request should have been split";
+    }
+    EXPECT_TRUE(policy_.AcceptsBlock(info->size, rounded)) << info->size << " for " << rounded;
+
+    LiveAlloc a{size, rounded, info->size, pool, s, next_tag_++, {}};
+    Pattern(a.tag).Fill(p, size);
+    live_.emplace(addr, std::move(a));
+    ++model_allocations_total_;
+
+    // Verified after the snapshot check, which tells whether pending frees were released.
+    malloc_check_ = MallocCheck{
+        addr, rounded, segment_size, predicted, std::move(old_segments), before.num_alloc_retries};
+    return true;
+  }
+
+  void CheckOutOfMemory(const OutOfMemoryError& e, int s, size_t rounded, PoolKind pool,
+                        size_t segment_size, const DeviceStats& before) {
+    const DeviceStats after = alloc_.stats(0);
+    EXPECT_EQ(after.num_ooms, before.num_ooms + 1);
+    EXPECT_EQ(e.device(), 0);
+    const Snapshot snap = alloc_.TakeSnapshot();
+    for (const SegmentSnapshot& seg : snap.segments) {
+      // The ladder waited for every stream use and released every wholly free segment...
+      EXPECT_FALSE(seg.blocks.size() == 1 && seg.blocks[0].state == BlockState::kInactive)
+          << "OOM with a cached free segment of " << seg.total_size << " bytes still held";
+      for (const BlockSnapshot& b : seg.blocks) {
+        EXPECT_NE(b.state, BlockState::kActivePendingFree) << "OOM with a pending free left";
+        // ...and no cached block could serve the request.
+        if (seg.stream == streams_[s].id && seg.pool == pool && b.state == BlockState::kInactive &&
+            b.size >= rounded) {
+          EXPECT_FALSE(policy_.AcceptsBlock(b.size, rounded))
+              << "OOM although the free block at " << b.address << " of " << b.size
+              << " bytes could serve " << rounded;
+        }
+      }
+    }
+    // ...and the backend really had no room (or the limit forbade it).
+    const size_t reserved = static_cast<size_t>(after.reserved_bytes.all().current);
+    const bool over_limit = limit_ != 0 && reserved + segment_size > limit_;
+    const bool no_room = backend_->mem_info(0).free_bytes < segment_size;
+    EXPECT_TRUE(over_limit || no_room)
+        << "OOM for a " << segment_size << "-byte segment with " << backend_->mem_info(0).free_bytes
+        << " bytes free on the device, reserved " << reserved << ", limit " << limit_;
+  }
+
+  // [addr, addr + size) is the live block at `addr`: no other live block and no block awaiting
+  // stream events may overlap it.
+  void CheckNoOverlap(uintptr_t addr, size_t size) {
+    auto live = live_.find(addr);
+    ASSERT_NE(live, live_.end());
+    if (std::next(live) != live_.end()) {
+      EXPECT_GE(std::next(live)->first, addr + size)
+          << "block [" << addr << ", +" << size << ") overlaps the live block at "
+          << std::next(live)->first;
+    }
+    if (live != live_.begin()) {
+      const auto& [prev_addr, prev] = *std::prev(live);
+      EXPECT_LE(prev_addr + prev.block_size, addr)
+          << "block at " << addr << " overlaps the live block [" << prev_addr << ", +"
+          << prev.block_size << ")";
+    }
+    auto it = pending_.upper_bound(addr);
+    if (it != pending_.end()) {
+      EXPECT_GE(it->first, addr + size) << "block [" << addr << ", +" << size
+                                        << ") overlaps the pending-free block at " << it->first;
+    }
+    if (it != pending_.begin()) {
+      --it;
+      EXPECT_LE(it->first + it->second.block_size, addr)
+          << "block at " << addr << " overlaps the pending-free block [" << it->first << ", +"
+          << it->second.block_size << ")";
+    }
+  }
+
+  void DoFree(std::map<uintptr_t, LiveAlloc>::iterator it) {
+    const uintptr_t addr = it->first;
+    LiveAlloc a = std::move(it->second);
+    live_.erase(it);
+    VerifyPattern(addr, a);
+    PendingFree pending{a.requested, a.block_size, a.pool, a.stream, a.uses, {}};
+    for (int u : a.uses) {
+      EventHandle marker = backend_->create_event(0);
+      backend_->record_event(0, marker, streams_[u].handle);
+      pending.markers.push_back(marker);
+    }
+    alloc_.Free(reinterpret_cast<void*>(addr));
+    ++counts_.frees;
+    ++model_frees_total_;
+    if (!a.uses.empty()) {
+      ++counts_.pending_frees;
+      pending_.emplace(addr, std::move(pending));
+    }
+  }
+
+  // Enqueues on stream `u` a copy of the first bytes of `addr` into a host buffer; verified once
+  // the copy ran.
+  void EnqueueReadBack(uintptr_t addr, const LiveAlloc& a, int u) {
+    InflightCopy c;
+    c.bytes = std::min(a.requested, kMaxCopyBytes);
+    c.host = std::make_unique<unsigned char[]>(c.bytes);
+    c.verify = true;
+    c.tag = a.tag;
+    backend_->memcpy_async(0, c.host.get(), reinterpret_cast<const void*>(addr), c.bytes,
+                           CopyKind::kDeviceToHost, streams_[u].handle);
+    c.done = backend_->create_event(0);
+    backend_->record_event(0, c.done, streams_[u].handle);
+    inflight_.push_back(std::move(c));
+    ++counts_.copies;
+  }
+
+  // Enqueues on stream `u` a write of the block's own pattern: harmless while the block is ours,
+  // corrupts the next owner if the block is handed out before the copy ran.
+  void EnqueueRewrite(uintptr_t addr, const LiveAlloc& a, int u) {
+    InflightCopy c;
+    c.bytes = std::min(a.requested, kMaxCopyBytes);
+    c.host = std::make_unique<unsigned char[]>(c.bytes);
+    Pattern(a.tag).Fill(c.host.get(), c.bytes);
+    backend_->memcpy_async(0, reinterpret_cast<void*>(addr), c.host.get(), c.bytes,
+                           CopyKind::kHostToDevice, streams_[u].handle);
+    c.done = backend_->create_event(0);
+    backend_->record_event(0, c.done, streams_[u].handle);
+    inflight_.push_back(std::move(c));
+    ++counts_.copies;
+  }
+
+  void DoRecordStream() {
+    auto it = RandomLive();
+    const int u = Chance(15) ? it->second.stream : OtherStream(it->second.stream);
+    alloc_.RecordStream(reinterpret_cast<void*>(it->first), streams_[u]);
+    if (u == it->second.stream) return;  // a no-op: the allocation stream is always waited for
+    it->second.uses.insert(u);
+    if (Chance(50)) EnqueueReadBack(it->first, it->second, u);
+  }
+
+  // A use on another stream right before the free: the pattern must survive until the copies ran.
+  void DoUseAndFree() {
+    auto it = RandomLive();
+    const int u = OtherStream(it->second.stream);
+    alloc_.RecordStream(reinterpret_cast<void*>(it->first), streams_[u]);
+    it->second.uses.insert(u);
+    EnqueueReadBack(it->first, it->second, u);
+    EnqueueRewrite(it->first, it->second, u);
+    DoFree(it);
+  }
+
+  void DoSynchronize(int s) {
+    backend_->synchronize_stream(0, streams_[s].handle);
+    for (auto& [addr, p] : pending_) p.outstanding.erase(s);
+    ++counts_.syncs;
+  }
+
+  // Returns true when the allocator may have processed stream events.
+  bool DoPressure() {
+    if (Chance(50)) return DoMalloc(Uniform(64 * kMiB, 320 * kMiB));
+    if (limit_ == 0) {
+      const auto reserved = static_cast<size_t>(alloc_.stats(0).reserved_bytes.all().current);
+      limit_ = reserved + Uniform(0, 32) * kMiB + 1;
+      limit_steps_left_ = 200;
+      ++counts_.limits;
+    } else {
+      limit_ = 0;
+    }
+    alloc_.SetMemoryLimit(limit_, 0);
+    EXPECT_EQ(alloc_.memory_limit(0), limit_);
+    return false;
+  }
+
+  // Retires copies that have run, checking what the read-backs saw.
+  void RetireCopies() {
+    for (auto it = inflight_.begin(); it != inflight_.end();) {
+      if (!backend_->query_event(0, it->done)) {
+        ++it;
+        continue;
+      }
+      if (it->verify) {
+        const size_t bad = Pattern(it->tag).FirstMismatch(it->host.get(), it->bytes);
+        EXPECT_EQ(bad, it->bytes) << "a copy on another stream read a block (tag " << it->tag
+                                  << ") after it was reused: mismatch at byte " << bad;
+      }
+      backend_->destroy_event(0, it->done);
+      it = inflight_.erase(it);
+    }
+  }
+
+  void VerifyPattern(uintptr_t addr, const LiveAlloc& a) {
+    const size_t bad =
+        Pattern(a.tag).FirstMismatch(reinterpret_cast<const void*>(addr), a.requested);
+    EXPECT_EQ(bad, a.requested) << "allocation at " << addr << " (" << a.requested << " bytes, tag "
+                                << a.tag << ") corrupted at byte " << bad;
+  }
+
+  void VerifyAllPatterns() {
+    for (const auto& [addr, a] : live_) VerifyPattern(addr, a);
+  }
+
+  // ---- The per-step check ----
+
+  // Compares snapshot and statistics with the model. `events_processed`: the step may have
+  // completed pending frees. Returns how many pending frees were completed.
+  int CheckAll(bool events_processed) {
+    last_ = alloc_.TakeSnapshot();
+    const DeviceStats stats = alloc_.stats(0);
+    Expected exp;
+    std::map<uintptr_t, const BlockSnapshot*> allocated, pending;
+    std::map<uintptr_t, const SegmentSnapshot*> segment_of;
+    size_t largest_free = 0;
+    uintptr_t previous_end = 0;
+
+    for (const SegmentSnapshot& seg : last_.segments) {
+      const int pi = PoolIndex(seg.pool);
+      EXPECT_EQ(seg.device, 0);
+      EXPECT_GE(seg.address, previous_end) << "segments overlap";
+      previous_end = seg.address + seg.total_size;
+      if (seg.pool == PoolKind::kSmall) {
+        EXPECT_EQ(seg.total_size, kSmallBuffer);
+      } else {
+        EXPECT_TRUE(seg.total_size == kLargeBuffer ||
+                    (seg.total_size >= kMinLargeAlloc && seg.total_size % kRoundLarge == 0))
+            << "large segment of " << seg.total_size << " bytes";
+      }
+      for (int i : {0, pi}) {
+        exp.segment[i] += 1;
+        exp.reserved_bytes[i] += static_cast<int64_t>(seg.total_size);
+      }
+      EXPECT_FALSE(seg.blocks.empty());
+      uintptr_t cursor = seg.address;
+      size_t allocated_size = 0, active_size = 0, requested_size = 0;
+      bool previous_inactive = false;
+      for (const BlockSnapshot& b : seg.blocks) {
+        EXPECT_EQ(b.address, cursor)
+            << "blocks of the segment at " << seg.address << " are not contiguous";
+        EXPECT_GT(b.size, 0u);
+        EXPECT_EQ(b.size % kMinBlockSize, 0u);
+        cursor = b.address + b.size;
+        const bool inactive = b.state == BlockState::kInactive;
+        EXPECT_FALSE(inactive && previous_inactive)
+            << "two adjacent free blocks at " << b.address << " were not merged";
+        previous_inactive = inactive;
+        switch (b.state) {
+          case BlockState::kActiveAllocated:
+            allocated.emplace(b.address, &b);
+            segment_of.emplace(b.address, &seg);
+            allocated_size += b.size;
+            active_size += b.size;
+            requested_size += b.requested_size;
+            break;
+          case BlockState::kActivePendingFree:
+            pending.emplace(b.address, &b);
+            active_size += b.size;
+            break;
+          case BlockState::kInactive:
+            largest_free = std::max(largest_free, b.size);
+            if (seg.blocks.size() > 1) {
+              for (int i : {0, pi}) {
+                exp.inactive_split[i] += 1;
+                exp.inactive_split_bytes[i] += static_cast<int64_t>(b.size);
+              }
+            }
+            break;
+        }
+      }
+      EXPECT_EQ(cursor, seg.address + seg.total_size)
+          << "blocks of the segment at " << seg.address << " do not add up to its size";
+      EXPECT_EQ(seg.allocated_size, allocated_size);
+      EXPECT_EQ(seg.active_size, active_size);
+      EXPECT_EQ(seg.requested_size, requested_size);
+    }
+
+    // Live set == active_allocated blocks.
+    EXPECT_EQ(allocated.size(), live_.size()) << "snapshot and model disagree on the live set";
+    for (const auto& [addr, a] : live_) {
+      auto it = allocated.find(addr);
+      if (it == allocated.end()) {
+        ADD_FAILURE() << "live allocation at " << addr
+                      << " is not active_allocated in the snapshot";
+        continue;
+      }
+      EXPECT_EQ(it->second->size, a.block_size);
+      EXPECT_EQ(it->second->requested_size, a.requested);
+      const SegmentSnapshot& seg = *segment_of.at(addr);
+      EXPECT_EQ(seg.stream, streams_[a.stream].id)
+          << "allocation lives in another stream's segment";
+      EXPECT_EQ(seg.pool, a.pool);
+      for (int i : {0, PoolIndex(a.pool)}) {
+        exp.allocation[i] += 1;
+        exp.allocated_bytes[i] += static_cast<int64_t>(a.block_size);
+        exp.requested_bytes[i] += static_cast<int64_t>(a.requested);
+        exp.active[i] += 1;
+        exp.active_bytes[i] += static_cast<int64_t>(a.block_size);
+      }
+    }
+
+    // Pending frees: still pending, or released by event processing once their uses completed.
+    int released = 0;
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      PendingFree& p = it->second;
+      auto found = pending.find(it->first);
+      if (found != pending.end() && found->second->size == p.block_size) {
+        EXPECT_FALSE(events_processed && p.outstanding.empty())
+            << "block at " << it->first
+            << " still pending although every use stream was synchronized and events processed";
+        for (int i : {0, PoolIndex(p.pool)}) {
+          exp.requested_bytes[i] += static_cast<int64_t>(p.requested);
+          exp.active[i] += 1;
+          exp.active_bytes[i] += static_cast<int64_t>(p.block_size);
+        }
+        ++it;
+        continue;
+      }
+      EXPECT_TRUE(events_processed)
+          << "block at " << it->first << " left active_pending_free without event processing";
+      for (EventHandle marker : p.markers) {
+        EXPECT_TRUE(backend_->query_event(0, marker))
+            << "block at " << it->first << " released before work on a use stream completed";
+        backend_->destroy_event(0, marker);
+      }
+      ++released;
+      it = pending_.erase(it);
+    }
+    EXPECT_EQ(pending.size(), pending_.size()) << "unexpected active_pending_free blocks";
+    counts_.pending_released += released;
+
+    CheckStat("allocation", stats.allocation, exp.allocation);
+    CheckStat("allocated_bytes", stats.allocated_bytes, exp.allocated_bytes);
+    CheckStat("requested_bytes", stats.requested_bytes, exp.requested_bytes);
+    CheckStat("active", stats.active, exp.active);
+    CheckStat("active_bytes", stats.active_bytes, exp.active_bytes);
+    CheckStat("segment", stats.segment, exp.segment);
+    CheckStat("reserved_bytes", stats.reserved_bytes, exp.reserved_bytes);
+    CheckStat("inactive_split", stats.inactive_split, exp.inactive_split);
+    CheckStat("inactive_split_bytes", stats.inactive_split_bytes, exp.inactive_split_bytes);
+
+    peak_allocation_ = std::max(peak_allocation_, exp.allocation[0]);
+    peak_allocated_bytes_ = std::max(peak_allocated_bytes_, exp.allocated_bytes[0]);
+    peak_reserved_bytes_ = std::max(peak_reserved_bytes_, exp.reserved_bytes[0]);
+    peak_active_ = std::max(peak_active_, exp.active[0]);
+    EXPECT_EQ(stats.allocation.all().peak, peak_allocation_);
+    EXPECT_EQ(stats.allocated_bytes.all().peak, peak_allocated_bytes_);
+    EXPECT_EQ(stats.reserved_bytes.all().peak, peak_reserved_bytes_);
+    EXPECT_EQ(stats.active.all().peak, peak_active_);
+    EXPECT_EQ(stats.allocation.all().allocated, model_allocations_total_);
+    EXPECT_EQ(stats.allocation.all().freed, model_frees_total_);
+
+    // The allocator is the backend's only user: what it reserved is what the device has out.
+    EXPECT_EQ(backend_->bytes_in_use(0), static_cast<size_t>(exp.reserved_bytes[0]));
+    EXPECT_EQ(stats.num_device_alloc, backend_->num_device_mallocs());
+    EXPECT_EQ(stats.num_device_free, backend_->num_device_frees());
+    EXPECT_EQ(alloc_.LargestFreeBlock(0), largest_free);
+    return released;
+  }
+
+  // Best fit, checked after the snapshot told whether pending frees were released.
+  void CheckMallocPlacement(int released) {
+    if (!malloc_check_.has_value()) return;
+    const MallocCheck m = std::move(*malloc_check_);
+    malloc_check_.reset();
+    // Against the model after reconciliation: blocks released during the malloc may be reused.
+    if (auto it = live_.find(m.addr); it != live_.end())
+      CheckNoOverlap(m.addr, it->second.block_size);
+    if (released > 0) return;  // released blocks joined the pools: the prediction is stale
+    if (alloc_.stats(0).num_alloc_retries != m.retries_before) return;  // the OOM ladder ran
+    const SegmentSnapshot* seg = nullptr;
+    for (const SegmentSnapshot& s : last_.segments) {
+      if (m.addr >= s.address && m.addr < s.address + s.total_size) seg = &s;
+    }
+    ASSERT_NE(seg, nullptr);
+    if (m.predicted.has_value()) {
+      ++counts_.reused;
+      EXPECT_EQ(m.addr, *m.predicted) << "not the best-fit block for " << m.rounded << " bytes";
+    } else {
+      ++counts_.new_segments;
+      EXPECT_EQ(m.addr, seg->address) << "expected a fresh segment";
+      EXPECT_EQ(m.old_segments.count(seg->address), 0u) << "expected a fresh segment";
+      EXPECT_EQ(seg->total_size, m.segment_size);
+    }
+  }
+
+  void Run(int steps) {
+    for (int step = 0; step < steps && !HasFailure(); ++step) {
+      SCOPED_TRACE(absl::StrFormat("step %d (seed %d)", step, GetParam().seed));
+      bool events = false;
+      const auto live_bytes = static_cast<size_t>(alloc_.stats(0).allocated_bytes.all().current);
+      const bool full = live_bytes > 128 * kMiB || live_.size() > 600;
+      const uint64_t r = Uniform(0, 999);
+      if (live_.empty() || (!full && r < 380)) {
+        events = DoMalloc(RandomSize());
+      } else if (r < 680) {
+        DoFree(RandomLive());
+      } else if (r < 790) {
+        DoRecordStream();
+      } else if (r < 880) {
+        DoUseAndFree();
+      } else if (r < 925) {
+        DoSynchronize(RandomStream());
+      } else if (r < 955) {
+        alloc_.ProcessEvents(0);
+        events = true;
+      } else if (r < 970) {
+        alloc_.EmptyCache();
+        events = true;
+        ++counts_.empty_caches;
+        for (const SegmentSnapshot& seg : alloc_.TakeSnapshot().segments) {
+          EXPECT_FALSE(seg.blocks.size() == 1 && seg.blocks[0].state == BlockState::kInactive)
+              << "empty_cache kept a wholly free segment";
+        }
+      } else if (r < 985) {
+        for (int s = 0; s < kNumStreams; ++s) DoSynchronize(s);
+        alloc_.ProcessEvents(0);
+        events = true;
+        ++counts_.drains;
+      } else {
+        events = DoPressure();
+      }
+      if (limit_ != 0 && --limit_steps_left_ == 0) {
+        limit_ = 0;
+        alloc_.SetMemoryLimit(0, 0);
+      }
+      CheckMallocPlacement(CheckAll(events));
+      RetireCopies();
+      if (step % 50 == 49) VerifyAllPatterns();
+    }
+  }
+
+  // Frees everything, waits for every stream, empties the cache: all statistics return to zero.
+  void Finish() {
+    VerifyAllPatterns();
+    while (!live_.empty()) DoFree(live_.begin());
+    for (int s = 0; s < kNumStreams; ++s) DoSynchronize(s);
+    alloc_.EmptyCache();
+    CheckAll(true);
+    RetireCopies();
+    EXPECT_TRUE(inflight_.empty());
+    EXPECT_TRUE(pending_.empty());
+    const DeviceStats stats = alloc_.stats(0);
+    EXPECT_EQ(stats.allocation.all().current, 0);
+    EXPECT_EQ(stats.active.all().current, 0);
+    EXPECT_EQ(stats.requested_bytes.all().current, 0);
+    EXPECT_EQ(stats.reserved_bytes.all().current, 0);
+    EXPECT_EQ(stats.segment.all().current, 0);
+    EXPECT_EQ(backend_->bytes_in_use(0), 0u);
+  }
+
+  struct MallocCheck {
+    uintptr_t addr;
+    size_t rounded;
+    size_t segment_size;
+    std::optional<uintptr_t> predicted;
+    std::set<uintptr_t> old_segments;
+    int64_t retries_before;
+  };
+  struct Counts {
+    int mallocs = 0, frees = 0, pending_frees = 0, pending_released = 0, ooms = 0, copies = 0,
+        syncs = 0, reused = 0, new_segments = 0, empty_caches = 0, drains = 0, limits = 0;
+  };
+
+  std::mt19937_64 rng_;
+  const SizePolicy policy_;
+  std::shared_ptr<SimBackend> backend_;
+  CachingAllocator alloc_;
+  std::array<StreamRef, kNumStreams> streams_;
+
+  std::map<uintptr_t, LiveAlloc> live_;
+  std::map<uintptr_t, PendingFree> pending_;
+  std::vector<InflightCopy> inflight_;
+  Snapshot last_;
+  std::optional<MallocCheck> malloc_check_;
+  uint64_t next_tag_ = 1;
+  size_t limit_ = 0;
+  int limit_steps_left_ = 0;
+  int64_t model_allocations_total_ = 0, model_frees_total_ = 0;
+  int64_t peak_allocation_ = 0, peak_allocated_bytes_ = 0, peak_reserved_bytes_ = 0,
+          peak_active_ = 0;
+  Counts counts_;
+};
+
+TEST_P(AllocatorDifferentialTest, RandomOperationsMatchReferenceModel) {
+  constexpr int kSteps = 5000;
+  Run(kSteps);
+  if (HasFailure()) return;
+  Finish();
+  const Counts& c = counts_;
+  RecordProperty("mallocs", c.mallocs);
+  RecordProperty("pending_frees", c.pending_frees);
+  RecordProperty("ooms", c.ooms);
+  std::printf(
+      "[%s seed %llu] mallocs %d frees %d (pending %d, released by events %d) ooms %d copies %d "
+      "syncs %d best-fit reuses %d new segments %d empty_cache %d drains %d limits %d\n",
+      GetParam().name, static_cast<unsigned long long>(GetParam().seed), c.mallocs, c.frees,
+      c.pending_frees, c.pending_released, c.ooms, c.copies, c.syncs, c.reused, c.new_segments,
+      c.empty_caches, c.drains, c.limits);
+  // The run must have exercised what it claims to check.
+  EXPECT_GT(c.mallocs, 1000);
+  EXPECT_GT(c.pending_frees, 50);
+  EXPECT_GT(c.pending_released, 0);
+  EXPECT_GT(c.ooms, 0);
+  EXPECT_GT(c.reused, 100);
+  EXPECT_GT(c.new_segments, 5);
+}
+
+INSTANTIATE_TEST_SUITE_P(Seeds, AllocatorDifferentialTest,
+                         ::testing::Values(DiffParam{"default", 1, AllocatorConfig{}},
+                                           DiffParam{"default", 2, AllocatorConfig{}},
+                                           DiffParam{"default", 3, AllocatorConfig{}},
+                                           DiffParam{"default", 4, AllocatorConfig{}},
+                                           DiffParam{"split_limits", 5, SplitLimitsConfig()},
+                                           DiffParam{"split_limits", 6, SplitLimitsConfig()}),
+                         [](const ::testing::TestParamInfo<DiffParam>& info) {
+                           return absl::StrFormat("%s_seed%d", info.param.name, info.param.seed);
+                         });
+
+// Directed: a free with a stream use stays active_pending_free, whatever the use stream does,
+// until events are processed; once that stream is synchronized, processing releases it.
+TEST(AllocatorDifferentialDirectedTest, PendingFreeReleasedOnlyByEventProcessing) {
+  auto backend = std::make_shared<SimBackend>(SimBackend::Options{
+      .devices = 1, .capacity_bytes = 64 * kMiB, .max_jitter = std::chrono::microseconds(2000)});
+  CachingAllocator alloc(backend, AllocatorConfig{});
+  const StreamRef a = backend->default_stream(0);
+  const StreamRef b = backend->create_stream(0);
+  auto state_of = [&](void* p) -> std::optional<BlockState> {
+    for (const SegmentSnapshot& seg : alloc.TakeSnapshot().segments) {
+      for (const BlockSnapshot& blk : seg.blocks) {
+        if (blk.address == reinterpret_cast<uintptr_t>(p)) return blk.state;
+      }
+    }
+    return std::nullopt;
+  };
+
+  void* p = alloc.Malloc(100 * kKiB, 0, a);
+  std::vector<unsigned char> host(100 * kKiB);
+  backend->memcpy_async(0, host.data(), p, host.size(), CopyKind::kDeviceToHost, b.handle);
+  alloc.RecordStream(p, b);
+  EventHandle marker = backend->create_event(0);
+  backend->record_event(0, marker, b.handle);
+  alloc.Free(p);
+  EXPECT_EQ(state_of(p), BlockState::kActivePendingFree);
+  EXPECT_EQ(alloc.stats(0).active.all().current, 1);
+  EXPECT_EQ(alloc.stats(0).allocation.all().current, 0);
+  EXPECT_EQ(alloc.stats(0).requested_bytes.all().current, static_cast<int64_t>(100 * kKiB));
+  // Work on b still runs after the free; however far it got, nothing but event processing
+  // changes the block's state.
+  backend->synchronize_stream(0, b.handle);
+  EXPECT_EQ(state_of(p), BlockState::kActivePendingFree);
+  EXPECT_TRUE(backend->query_event(0, marker));
+  // A malloc processes events first: the block is free again and served back.
+  void* q = alloc.Malloc(100 * kKiB, 0, a);
+  EXPECT_EQ(q, p);
+  EXPECT_EQ(alloc.stats(0).requested_bytes.all().current, static_cast<int64_t>(100 * kKiB));
+  alloc.Free(q);
+  EXPECT_EQ(state_of(p), BlockState::kInactive);
+  EXPECT_EQ(alloc.stats(0).active.all().current, 0);
+  EXPECT_EQ(alloc.stats(0).requested_bytes.all().current, 0);
+  backend->destroy_event(0, marker);
+}
+
+}  // namespace
+}  // namespace spillway

@@ -1,0 +1,112 @@
+// The out-of-memory ladder: callbacks, cache release and retry, and the final error.
+#include <string>
+#include <vector>
+
+#include "tests/allocator/sim_fixture.h"
+
+namespace spillway::testing {
+namespace {
+
+class OomTest : public SimAllocatorTest {
+ protected:
+  void SetUp() override { Reset(AllocatorConfig{}, 64 * kMiB); }
+};
+
+TEST_F(OomTest, ErrorMessageCarriesTheDiagnostics) {
+  void* held = Alloc(40 * kMiB);
+  try {
+    Alloc(30 * kMiB);
+    FAIL() << "expected OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    const std::string what = e.what();
+    EXPECT_EQ(e.requested_bytes(), 30 * kMiB);
+    EXPECT_EQ(e.device(), 0);
+    for (const char* part : {"device 0", "tried to allocate 30.00 MiB", "Allocated 40.00 MiB",
+                             "reserved 40.00 MiB", "limit none", "24.00 MiB free of 64.00 MiB",
+                             "largest cached free block"}) {
+      EXPECT_NE(what.find(part), std::string::npos) << "missing '" << part << "' in: " << what;
+    }
+  }
+  EXPECT_EQ(Stat("num_ooms"), 1);
+  allocator_->Free(held);
+}
+
+TEST_F(OomTest, OomIsRecordedInHistory) {
+  allocator_->RecordHistory(true, 100);
+  EXPECT_THROW(Alloc(100 * kMiB), OutOfMemoryError);
+  const auto trace = allocator_->TakeSnapshot().device_traces.at(0);
+  ASSERT_FALSE(trace.empty());
+  EXPECT_EQ(trace.back().action, TraceAction::kOom);
+  EXPECT_EQ(trace.back().size, 100 * kMiB);
+  EXPECT_EQ(trace.back().addr, 64 * kMiB);  // free device bytes, as PyTorch records
+}
+
+TEST_F(OomTest, FreeMemoryCallbackTurnsFailureIntoSuccess) {
+  void* held = Alloc(40 * kMiB);
+  size_t asked = 0;
+  int calls = 0;
+  allocator_->AddFreeMemoryCallback([&](int device, size_t bytes) -> size_t {
+    EXPECT_EQ(device, 0);
+    ++calls;
+    asked = bytes;
+    if (held == nullptr) return 0;
+    allocator_->Free(held);  // the engine frees through the allocator: no lock may be held
+    held = nullptr;
+    return 40 * kMiB;
+  });
+  void* p = Alloc(30 * kMiB);
+  EXPECT_NE(p, nullptr);
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(asked, 30 * kMiB);
+  allocator_->Free(p);
+}
+
+TEST_F(OomTest, CallbacksAreNotAskedWhileTheBackendHasRoom) {
+  int calls = 0;
+  const uint64_t id = allocator_->AddFreeMemoryCallback([&](int, size_t) -> size_t {
+    ++calls;
+    return 0;
+  });
+  void* p = Alloc(20 * kMiB);
+  EXPECT_EQ(calls, 0);
+  allocator_->Free(p);
+  allocator_->RemoveFreeMemoryCallback(id);
+  EXPECT_THROW(Alloc(100 * kMiB), OutOfMemoryError);
+  EXPECT_EQ(calls, 0);
+}
+
+TEST_F(OomTest, CachedSegmentsOfOtherStreamsAreReleasedAndRetried) {
+  const StreamRef other = backend_->create_stream(0);
+  void* p = Alloc(40 * kMiB, other);
+  allocator_->Free(p);  // cached on `other`, useless to `stream_`
+  void* q = Alloc(40 * kMiB, stream_);
+  EXPECT_NE(q, nullptr);
+  EXPECT_EQ(Stat("num_alloc_retries"), 1);
+  EXPECT_EQ(Stat("num_device_free"), 1);
+  EXPECT_EQ(Stat("num_sync_all_streams"), 1);
+  allocator_->Free(q);
+}
+
+TEST_F(OomTest, TransientBackendFailureIsRetried) {
+  backend_->fail_device_malloc_after(1);
+  void* p = Alloc(kMiB);
+  EXPECT_NE(p, nullptr);
+  EXPECT_EQ(Stat("num_alloc_retries"), 1);
+  allocator_->Free(p);
+}
+
+TEST_F(OomTest, FailedAllocationLeavesStateUnchanged) {
+  void* held = Alloc(40 * kMiB);
+  const auto before = allocator_->FlatStats(0);
+  EXPECT_THROW(Alloc(30 * kMiB), OutOfMemoryError);
+  auto after = allocator_->FlatStats(0);
+  for (const char* key : {"allocated_bytes.all.current", "reserved_bytes.all.current",
+                          "allocation.all.current", "active.all.current"}) {
+    EXPECT_EQ(after.at(key), before.at(key)) << key;
+  }
+  allocator_->Free(held);
+  EXPECT_NE(Alloc(30 * kMiB), nullptr);  // and the allocator still serves
+}
+
+}  // namespace
+}  // namespace spillway::testing

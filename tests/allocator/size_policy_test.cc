@@ -1,0 +1,66 @@
+#include "allocator/size_policy.h"
+
+#include <gtest/gtest.h>
+
+namespace spillway {
+namespace {
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+TEST(SizePolicy, RoundsToMultiplesOf512) {
+  const SizePolicy policy{AllocatorConfig{}};
+  EXPECT_EQ(policy.RoundSize(1), 512u);
+  EXPECT_EQ(policy.RoundSize(512), 512u);
+  EXPECT_EQ(policy.RoundSize(513), 1024u);
+  EXPECT_EQ(policy.RoundSize(3 * kMiB + 1), 3 * kMiB + 512);
+}
+
+TEST(SizePolicy, PoolsAndSegmentSizesFollowPyTorch) {
+  EXPECT_EQ(SizePolicy::PoolFor(kMiB), PoolKind::kSmall);
+  EXPECT_EQ(SizePolicy::PoolFor(kMiB + 512), PoolKind::kLarge);
+  EXPECT_EQ(SizePolicy::SegmentSize(512), 2 * kMiB);
+  EXPECT_EQ(SizePolicy::SegmentSize(kMiB), 2 * kMiB);
+  EXPECT_EQ(SizePolicy::SegmentSize(kMiB + 512), 20 * kMiB);
+  EXPECT_EQ(SizePolicy::SegmentSize(10 * kMiB - 512), 20 * kMiB);
+  EXPECT_EQ(SizePolicy::SegmentSize(10 * kMiB), 10 * kMiB);
+  EXPECT_EQ(SizePolicy::SegmentSize(15 * kMiB + 512), 16 * kMiB);
+}
+
+TEST(SizePolicy, RoundupPower2Divisions) {
+  AllocatorConfig config;
+  config.roundup_power2_divisions.fill(4);
+  const SizePolicy policy{config};
+  // As in PyTorch's code, divisions apply only above 512 * divisions bytes.
+  EXPECT_EQ(policy.RoundSize(1200), 1536u);
+  EXPECT_EQ(policy.RoundSize(3000), 3072u);  // [2048, 4096) in steps of 512
+  EXPECT_EQ(policy.RoundSize(2600), 3072u);
+  EXPECT_EQ(policy.RoundSize(5 * kMiB), 5 * kMiB);
+  EXPECT_EQ(policy.RoundSize(5 * kMiB + 1), 6 * kMiB);
+  EXPECT_EQ(policy.RoundSize(4 * kMiB), 4 * kMiB);  // powers of two stay
+}
+
+TEST(SizePolicy, SplitRules) {
+  AllocatorConfig config;
+  config.max_split_size = 40 * kMiB;
+  const SizePolicy policy{config};
+  EXPECT_TRUE(policy.ShouldSplit(PoolKind::kSmall, 2 * kMiB, 2 * kMiB - 512));
+  EXPECT_FALSE(policy.ShouldSplit(PoolKind::kSmall, 2 * kMiB, 2 * kMiB));
+  // Large pool: only a remainder above 1 MiB is kept.
+  EXPECT_TRUE(policy.ShouldSplit(PoolKind::kLarge, 20 * kMiB, 2 * kMiB));
+  EXPECT_FALSE(policy.ShouldSplit(PoolKind::kLarge, 20 * kMiB, 19 * kMiB));
+  // Nothing at or above max_split_size is split.
+  EXPECT_FALSE(policy.ShouldSplit(PoolKind::kLarge, 80 * kMiB, 40 * kMiB));
+}
+
+TEST(SizePolicy, OversizeBlocksAreNotHandedToSmallRequests) {
+  AllocatorConfig config;
+  config.max_split_size = 40 * kMiB;
+  const SizePolicy policy{config};
+  EXPECT_FALSE(policy.AcceptsBlock(64 * kMiB, 2 * kMiB));
+  EXPECT_TRUE(policy.AcceptsBlock(30 * kMiB, 2 * kMiB));
+  EXPECT_TRUE(policy.AcceptsBlock(50 * kMiB, 45 * kMiB));
+  EXPECT_FALSE(policy.AcceptsBlock(70 * kMiB, 45 * kMiB));  // would waste >= 20 MiB
+}
+
+}  // namespace
+}  // namespace spillway

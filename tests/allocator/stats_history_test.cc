@@ -1,0 +1,129 @@
+// Statistics (PyTorch's names and meanings, resets) and the history ring.
+#include <string>
+
+#include "tests/allocator/sim_fixture.h"
+
+namespace spillway::testing {
+namespace {
+
+using StatsHistoryTest = SimAllocatorTest;
+
+TEST_F(StatsHistoryTest, FlatStatsHaveEveryPyTorchKey) {
+  const auto stats = allocator_->FlatStats(0);
+  for (const char* array : {"allocation", "segment", "active", "inactive_split", "allocated_bytes",
+                            "reserved_bytes", "active_bytes", "inactive_split_bytes",
+                            "requested_bytes"}) {
+    for (const char* pool : {"all", "small_pool", "large_pool"}) {
+      for (const char* field : {"current", "peak", "allocated", "freed"}) {
+        const std::string key = std::string(array) + "." + pool + "." + field;
+        EXPECT_TRUE(stats.contains(key)) << key;
+      }
+    }
+  }
+  for (const char* counter : {"num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                              "num_device_alloc", "num_device_free"}) {
+    EXPECT_TRUE(stats.contains(counter)) << counter;
+  }
+}
+
+TEST_F(StatsHistoryTest, CountersFollowAllocationsAndFrees) {
+  void* a = Alloc(1000);          // small pool, 1024 bytes
+  void* b = Alloc(3 * kMiB + 1);  // large pool
+  EXPECT_EQ(Stat("allocation.all.current"), 2);
+  EXPECT_EQ(Stat("allocation.small_pool.current"), 1);
+  EXPECT_EQ(Stat("allocated_bytes.small_pool.current"), 1024);
+  EXPECT_EQ(Stat("allocated_bytes.large_pool.current"), int64_t{3 * kMiB + 512});
+  EXPECT_EQ(Stat("requested_bytes.all.current"), int64_t{1000 + 3 * kMiB + 1});
+  EXPECT_EQ(Stat("num_device_alloc"), 2);
+  allocator_->Free(a);
+  allocator_->Free(b);
+  EXPECT_EQ(Stat("allocation.all.current"), 0);
+  EXPECT_EQ(Stat("allocation.all.allocated"), 2);
+  EXPECT_EQ(Stat("allocation.all.freed"), 2);
+  EXPECT_EQ(Stat("allocated_bytes.all.peak"), int64_t{1024 + 3 * kMiB + 512});
+  EXPECT_EQ(Stat("requested_bytes.all.current"), 0);
+  EXPECT_EQ(Stat("active_bytes.all.current"), 0);
+}
+
+TEST_F(StatsHistoryTest, ResetPeakAndAccumulated) {
+  void* a = Alloc(8 * kMiB);
+  allocator_->Free(a);
+  EXPECT_EQ(Stat("allocated_bytes.all.peak"), int64_t{8 * kMiB});
+  allocator_->ResetPeakStats(0);
+  EXPECT_EQ(Stat("allocated_bytes.all.peak"), 0);
+  EXPECT_EQ(Stat("reserved_bytes.all.peak"), int64_t{20 * kMiB});  // still reserved
+  allocator_->ResetAccumulatedStats(0);
+  EXPECT_EQ(Stat("allocation.all.allocated"), 0);
+  EXPECT_EQ(Stat("num_device_alloc"), 0);
+  EXPECT_EQ(Stat("segment.all.current"), 1);  // current values survive both resets
+}
+
+TEST_F(StatsHistoryTest, HistoryRecordsActionsInOrderWithContext) {
+  int gathered = 0;
+  allocator_->RecordHistory(true, 64, [&]() -> TraceContext {
+    ++gathered;
+    return std::make_shared<const int>(gathered);
+  });
+  void* p = Alloc(4096);
+  allocator_->Free(p);
+  allocator_->EmptyCache();
+  const auto trace = allocator_->TakeSnapshot().device_traces.at(0);
+  ASSERT_EQ(trace.size(), 5u);
+  EXPECT_EQ(trace[0].action, TraceAction::kSegmentAlloc);
+  EXPECT_EQ(trace[1].action, TraceAction::kAlloc);
+  EXPECT_EQ(trace[1].addr, reinterpret_cast<uintptr_t>(p));
+  EXPECT_EQ(trace[1].size, 4096u);
+  EXPECT_EQ(trace[1].stream, stream_.id);
+  ASSERT_NE(trace[1].context, nullptr);
+  EXPECT_EQ(*static_cast<const int*>(trace[1].context.get()), 1);
+  EXPECT_EQ(trace[2].action, TraceAction::kFreeRequested);
+  EXPECT_EQ(trace[3].action, TraceAction::kFreeCompleted);
+  EXPECT_EQ(trace[4].action, TraceAction::kSegmentFree);
+  EXPECT_LE(trace[0].time_us, trace[4].time_us);
+  EXPECT_EQ(TraceActionName(trace[2].action), "free_requested");
+}
+
+TEST_F(StatsHistoryTest, HistoryRingKeepsTheNewestEntries) {
+  allocator_->RecordHistory(true, 4);
+  for (int i = 0; i < 10; ++i) allocator_->Free(Alloc(4096));
+  const auto trace = allocator_->TakeSnapshot().device_traces.at(0);
+  ASSERT_EQ(trace.size(), 4u);
+  EXPECT_EQ(trace[2].action, TraceAction::kFreeRequested);
+  EXPECT_EQ(trace[3].action, TraceAction::kFreeCompleted);
+}
+
+TEST_F(StatsHistoryTest, HistoryOffRecordsNothingAndSkipsTheGatherer) {
+  int gathered = 0;
+  allocator_->RecordHistory(true, 8, [&]() -> TraceContext {
+    ++gathered;
+    return nullptr;
+  });
+  allocator_->RecordHistory(false);
+  allocator_->Free(Alloc(4096));
+  EXPECT_EQ(gathered, 0);
+}
+
+TEST_F(StatsHistoryTest, SnapshotDescribesSegmentsAndBlocks) {
+  void* a = Alloc(1000);
+  void* b = Alloc(2000);
+  allocator_->Free(a);
+  const Snapshot snap = allocator_->TakeSnapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  const SegmentSnapshot& seg = snap.segments[0];
+  EXPECT_EQ(seg.total_size, 2 * kMiB);
+  EXPECT_EQ(seg.allocated_size, 2048u);
+  EXPECT_EQ(seg.requested_size, 2000u);
+  EXPECT_EQ(seg.pool, PoolKind::kSmall);
+  ASSERT_EQ(seg.blocks.size(), 3u);
+  EXPECT_EQ(seg.blocks[0].state, BlockState::kInactive);
+  EXPECT_EQ(seg.blocks[1].state, BlockState::kActiveAllocated);
+  EXPECT_EQ(seg.blocks[1].address, reinterpret_cast<uintptr_t>(b));
+  EXPECT_EQ(BlockStateName(seg.blocks[1].state), "active_allocated");
+  size_t total = 0;
+  for (const BlockSnapshot& blk : seg.blocks) total += blk.size;
+  EXPECT_EQ(total, seg.total_size);
+  allocator_->Free(b);
+}
+
+}  // namespace
+}  // namespace spillway::testing

@@ -1,0 +1,101 @@
+// Stream-ordered reuse: blocks are reused only on their allocation stream, and a block used on
+// other streams (record_stream) is reused only after those streams' work up to the free is done.
+#include "tests/allocator/sim_fixture.h"
+
+namespace spillway::testing {
+namespace {
+
+class StreamReuseTest : public SimAllocatorTest {
+ protected:
+  void SetUp() override {
+    SimAllocatorTest::SetUp();
+    other_ = backend_->create_stream(0);
+  }
+  StreamRef other_;
+};
+
+TEST_F(StreamReuseTest, FreedBlockIsNotHandedToAnotherStream) {
+  void* p = Alloc(4096, stream_);
+  allocator_->Free(p);
+  void* q = Alloc(4096, other_);
+  EXPECT_NE(q, p);
+  void* r = Alloc(4096, stream_);
+  EXPECT_EQ(r, p);
+  allocator_->Free(q);
+  allocator_->Free(r);
+}
+
+TEST_F(StreamReuseTest, RecordStreamDefersReuseUntilThatStreamCatchesUp) {
+  auto gate = backend_->hold_stream(0, other_.handle);  // work on `other_` waits for the gate
+  void* p = Alloc(4096, stream_);
+  allocator_->RecordStream(p, other_);
+  allocator_->Free(p);
+  EXPECT_EQ(Stat("allocation.all.current"), 0);
+  EXPECT_EQ(Stat("active.all.current"), 1);  // pending free is still active
+  const Snapshot pending = allocator_->TakeSnapshot();
+  EXPECT_EQ(pending.segments.at(0).blocks.at(0).state, BlockState::kActivePendingFree);
+
+  void* q = Alloc(4096, stream_);
+  EXPECT_NE(q, p) << "block reused while another stream may still be using it";
+
+  gate->Open();
+  backend_->synchronize_stream(0, other_.handle);
+  allocator_->Free(q);
+  void* r = Alloc(4096, stream_);  // malloc polls the event; now p is free again
+  EXPECT_TRUE(r == p || r == q);
+  EXPECT_EQ(Stat("active.all.current"), 1);
+  allocator_->Free(r);
+}
+
+TEST_F(StreamReuseTest, RecordStreamOnAllocationStreamIsIgnored) {
+  void* p = Alloc(4096, stream_);
+  allocator_->RecordStream(p, stream_);
+  allocator_->Free(p);
+  EXPECT_EQ(Stat("active.all.current"), 0);  // freed at once, no event needed
+}
+
+TEST_F(StreamReuseTest, PendingBlocksDoNotMergeUntilEventsComplete) {
+  auto gate = backend_->hold_stream(0, other_.handle);
+  void* a = Alloc(kMiB / 2, stream_);
+  void* b = Alloc(kMiB / 2, stream_);
+  allocator_->RecordStream(a, other_);
+  allocator_->Free(a);
+  allocator_->Free(b);
+  Snapshot snap = allocator_->TakeSnapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  EXPECT_EQ(snap.segments[0].blocks.size(), 2u);  // a pending, b merged with the tail
+  gate->Open();
+  backend_->synchronize_stream(0, other_.handle);
+  allocator_->ProcessEvents(0);
+  snap = allocator_->TakeSnapshot();
+  EXPECT_EQ(snap.segments[0].blocks.size(), 1u);
+}
+
+TEST_F(StreamReuseTest, EmptyCacheKeepsSegmentsWithPendingEvents) {
+  auto gate = backend_->hold_stream(0, other_.handle);
+  void* p = Alloc(12 * kMiB, stream_);
+  allocator_->RecordStream(p, other_);
+  allocator_->Free(p);
+  allocator_->EmptyCache();
+  EXPECT_EQ(Stat("segment.all.current"), 1);
+  gate->Open();
+  backend_->synchronize_stream(0, other_.handle);
+  allocator_->EmptyCache();
+  EXPECT_EQ(Stat("segment.all.current"), 0);
+}
+
+TEST_F(StreamReuseTest, StreamIdsNotHandlesIdentifyStreams) {
+  // A destroyed stream's handle may be recycled; a new stream must never inherit its cache.
+  const StreamRef temp = backend_->create_stream(0);
+  void* p = Alloc(4096, temp);
+  allocator_->Free(p);
+  backend_->destroy_stream(0, temp.handle);
+  const StreamRef next = backend_->create_stream(0);
+  EXPECT_NE(next.id, temp.id);
+  void* q = Alloc(4096, next);
+  EXPECT_NE(q, p);
+  allocator_->Free(q);
+}
+
+}  // namespace
+}  // namespace spillway::testing

@@ -1,0 +1,133 @@
+// Shared pieces of the offload engine tests: a storage over Spillway's allocator on the
+// simulated device, and helpers that read device bytes the way a kernel on a stream would.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "allocator/caching_allocator.h"
+#include "allocator/sim_backend.h"
+#include "offload/engine.h"
+
+namespace spillway::testing {
+
+inline constexpr size_t kMiB = size_t{1} << 20;
+
+// A storage whose "other holders" the test controls.
+class TestStorage : public Storage {
+ public:
+  TestStorage(CachingAllocator& allocator, size_t nbytes, StreamRef stream)
+      : allocator_(allocator), nbytes_(nbytes) {
+    ptr_ = allocator_.Malloc(nbytes, 0, stream);
+  }
+  ~TestStorage() override {
+    if (ptr_ != nullptr) allocator_.Free(ptr_);
+  }
+  void* data() const override { return ptr_; }
+  size_t nbytes() const override { return nbytes_; }
+  int device() const override { return 0; }
+  int64_t external_holders() const override { return holders.load(); }
+  void drop_device_memory() override {
+    allocator_.Free(ptr_);
+    ptr_ = nullptr;
+  }
+  void* allocate_device_memory(StreamRef stream) override {
+    ptr_ = allocator_.Malloc(nbytes_, 0, stream);
+    return ptr_;
+  }
+
+  std::atomic<int64_t> holders{1};  // the "forward pass" holds it until the test says otherwise
+
+ private:
+  CachingAllocator& allocator_;
+  size_t nbytes_;
+  void* ptr_ = nullptr;
+};
+
+class OffloadEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Make(OffloadConfig{}, size_t{256} << 20, std::chrono::microseconds{0}); }
+
+  void Make(OffloadConfig config, size_t capacity, std::chrono::microseconds jitter,
+            AllocatorConfig allocator_config = {}) {
+    engine_.reset();
+    storages_.clear();
+    allocator_.reset();
+    SimBackend::Options options;
+    options.capacity_bytes = capacity;
+    options.max_jitter = jitter;
+    backend_ = std::make_shared<SimBackend>(options);
+    allocator_ = std::make_unique<CachingAllocator>(backend_, allocator_config);
+    compute_ = backend_->default_stream(0);
+    engine_ = std::make_unique<OffloadEngine>(*allocator_, config);
+  }
+
+  void TearDown() override {
+    engine_.reset();
+    storages_.clear();
+  }
+
+  // A storage of `nbytes` filled with bytes derived from `seed`, written through the compute
+  // stream as a kernel would.
+  std::shared_ptr<TestStorage> NewStorage(size_t nbytes, uint32_t seed) {
+    auto s = std::make_shared<TestStorage>(*allocator_, nbytes, compute_);
+    const std::vector<uint8_t> bytes = Pattern(nbytes, seed);
+    backend_->memcpy_async(0, s->data(), bytes.data(), nbytes, CopyKind::kHostToDevice,
+                           compute_.handle);
+    backend_->synchronize_stream(0, compute_.handle);
+    storages_.push_back(s);
+    return s;
+  }
+
+  static std::vector<uint8_t> Pattern(size_t nbytes, uint32_t seed) {
+    std::vector<uint8_t> out(nbytes);
+    std::mt19937 gen(seed);
+    for (auto& b : out) b = static_cast<uint8_t>(gen());
+    return out;
+  }
+
+  // Reads the storage on `stream` after everything enqueued there, as a kernel would.
+  std::vector<uint8_t> ReadOn(StreamRef stream, const void* ptr, size_t nbytes) {
+    std::vector<uint8_t> out(nbytes);
+    backend_->memcpy_async(0, out.data(), ptr, nbytes, CopyKind::kDeviceToHost, stream.handle);
+    backend_->synchronize_stream(0, stream.handle);
+    return out;
+  }
+
+  KeeperId Save(const std::shared_ptr<TestStorage>& s, int64_t offset = 0) {
+    ViewInfo view;
+    view.offset = offset;
+    view.sizes = {static_cast<int64_t>(s->nbytes() / 4)};
+    view.strides = {1};
+    view.element_size = 4;
+    auto id = engine_->AddKeeper(s.get(), [&] { return s; }, view, compute_);
+    EXPECT_TRUE(id.has_value());
+    return id.value_or(0);
+  }
+
+  Residency StateOf(const std::shared_ptr<TestStorage>& s) {
+    return engine_->Describe(s.get()).value().residency;
+  }
+  int64_t EngineStat(const std::string& name) { return engine_->stats().Flatten().at(name); }
+  int64_t AllocStat(const std::string& name) { return allocator_->FlatStats(0).at(name); }
+
+  std::shared_ptr<SimBackend> backend_;
+  std::unique_ptr<CachingAllocator> allocator_;
+  std::unique_ptr<OffloadEngine> engine_;
+  std::vector<std::shared_ptr<TestStorage>> storages_;
+  StreamRef compute_;
+};
+
+inline OffloadConfig Policy(OffloadPolicy policy, size_t min_bytes = 0) {
+  OffloadConfig config;
+  config.policy = policy;
+  config.min_bytes = min_bytes;
+  return config;
+}
+
+}  // namespace spillway::testing

@@ -1,0 +1,162 @@
+// Each policy's contract, the out-of-memory rescue and prefetch.
+#include "tests/offload/engine_fixture.h"
+
+namespace spillway::testing {
+namespace {
+
+using OffloadPolicyTest = OffloadEngineTest;
+
+TEST_F(OffloadPolicyTest, OffloadOffNeverSpills) {
+  Make(Policy(OffloadPolicy::kOff), 64 * kMiB, std::chrono::microseconds{0});
+  auto s = NewStorage(4 * kMiB, 1);
+  Save(s);
+  s->holders = 0;
+  engine_->ForwardEnd();
+  EXPECT_EQ(StateOf(s), Residency::kResident);
+  EXPECT_EQ(engine_->ReleaseMemory(0, 4 * kMiB), 0u);
+}
+
+TEST_F(OffloadPolicyTest, OffloadEagerSpillsEveryEligibleEntryByForwardEnd) {
+  Make(Policy(OffloadPolicy::kEager, kMiB), 256 * kMiB, std::chrono::microseconds{0});
+  std::vector<std::shared_ptr<TestStorage>> saved;
+  for (uint32_t i = 0; i < 8; ++i) {
+    saved.push_back(NewStorage(2 * kMiB, i));
+    Save(saved.back());
+  }
+  auto small = NewStorage(64 * 1024, 99);  // below offload_min_kb
+  Save(small);
+  auto held = saved[3];  // still used by the program
+  for (auto& s : saved) s->holders = 0;
+  small->holders = 0;
+  held->holders = 1;
+  engine_->ForwardEnd();
+  for (auto& s : saved) {
+    if (s == held) {
+      EXPECT_EQ(StateOf(s), Residency::kResident);
+    } else {
+      EXPECT_NE(StateOf(s), Residency::kResident);
+    }
+  }
+  EXPECT_EQ(StateOf(small), Residency::kResident);
+  EXPECT_EQ(EngineStat("skipped.small"), 1);
+  EXPECT_EQ(EngineStat("num_spills"), 7);
+}
+
+TEST_F(OffloadPolicyTest, OffloadEagerSpillsAsSoonAsTheNextSave) {
+  Make(Policy(OffloadPolicy::kEager), 256 * kMiB, std::chrono::microseconds{0});
+  auto first = NewStorage(2 * kMiB, 1);
+  Save(first);
+  first->holders = 0;
+  auto second = NewStorage(2 * kMiB, 2);
+  Save(second);  // the policy runs at each save
+  EXPECT_NE(StateOf(first), Residency::kResident);
+  EXPECT_EQ(StateOf(second), Residency::kResident);
+}
+
+TEST_F(OffloadPolicyTest, OffloadAutoKeepsAllocatedUnderBudgetPlusLargestEntry) {
+  OffloadConfig config = Policy(OffloadPolicy::kAuto);
+  config.budget_bytes = 24 * kMiB;
+  config.prefetch_bytes = 4 * kMiB;
+  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  allocator_->ResetPeakStats(0);
+  std::vector<std::shared_ptr<TestStorage>> layer_outputs;
+  for (uint32_t i = 0; i < 20; ++i) {
+    auto s = NewStorage(4 * kMiB, i);
+    Save(s);
+    if (!layer_outputs.empty()) layer_outputs.back()->holders = 0;  // previous layer done
+    layer_outputs.push_back(s);
+    storages_.clear();
+  }
+  EXPECT_LE(AllocStat("allocated_bytes.all.peak"), int64_t{24 * kMiB + 4 * kMiB});
+  EXPECT_GT(EngineStat("num_spills"), 10);
+  // Oldest saved go first; the newest stay resident.
+  EXPECT_NE(StateOf(layer_outputs.front()), Residency::kResident);
+  EXPECT_EQ(StateOf(layer_outputs.back()), Residency::kResident);
+}
+
+TEST_F(OffloadPolicyTest, OffloadAutoDoesNothingUnderBudget) {
+  OffloadConfig config = Policy(OffloadPolicy::kAuto);
+  config.budget_bytes = 200 * kMiB;
+  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  for (uint32_t i = 0; i < 10; ++i) {
+    auto s = NewStorage(4 * kMiB, i);
+    Save(s);
+    s->holders = 0;
+  }
+  engine_->ForwardEnd();
+  EXPECT_EQ(EngineStat("num_spills"), 0);
+}
+
+TEST_F(OffloadPolicyTest, OffloadBudgetDefaultsToFractionOfTheLimit) {
+  OffloadConfig config = Policy(OffloadPolicy::kAuto);
+  config.budget_fraction = 0.5;
+  AllocatorConfig allocator_config;
+  allocator_config.memory_limit_bytes = 100 * kMiB;
+  Make(config, 256 * kMiB, std::chrono::microseconds{0}, allocator_config);
+  EXPECT_EQ(engine_->budget_bytes(0), 50 * kMiB);
+}
+
+TEST_F(OffloadPolicyTest, OffloadOomRescueTurnsAFailingAllocationIntoSuccess) {
+  OffloadConfig config = Policy(OffloadPolicy::kAuto);
+  config.budget_bytes = 1024 * kMiB;  // the budget never triggers: only the rescue can help
+  Make(config, 64 * kMiB, std::chrono::microseconds{2000});
+  std::vector<std::shared_ptr<TestStorage>> saved;
+  for (uint32_t i = 0; i < 5; ++i) {
+    saved.push_back(NewStorage(10 * kMiB, i));
+    Save(saved.back());
+    saved.back()->holders = 0;
+  }
+  storages_.clear();
+  void* p = allocator_->Malloc(30 * kMiB, 0, compute_);  // 50 of 64 MiB are held by saved entries
+  EXPECT_NE(p, nullptr);
+  EXPECT_GE(EngineStat("num_spills"), 2);
+  allocator_->Free(p);
+  // Every spilled entry still comes back intact.
+  for (uint32_t i = 0; i < saved.size(); ++i) {
+    const auto info = engine_->Describe(saved[i].get());
+    const KeeperId id = info->keepers.at(0).id;
+    void* ptr = engine_->Acquire(id, compute_);
+    EXPECT_EQ(ReadOn(compute_, ptr, 10 * kMiB), Pattern(10 * kMiB, i)) << i;
+  }
+}
+
+TEST_F(OffloadPolicyTest, OffloadWithoutRescueTheSameAllocationFails) {
+  Make(Policy(OffloadPolicy::kOff), 64 * kMiB, std::chrono::microseconds{0});
+  for (uint32_t i = 0; i < 5; ++i) {
+    auto s = NewStorage(10 * kMiB, i);
+    Save(s);
+    s->holders = 0;
+  }
+  EXPECT_THROW(allocator_->Malloc(30 * kMiB, 0, compute_), OutOfMemoryError);
+}
+
+TEST_F(OffloadPolicyTest, OffloadPrefetchReloadsAheadInReverseSaveOrder) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 4 * kMiB;
+  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  std::vector<std::shared_ptr<TestStorage>> saved;
+  std::vector<KeeperId> ids;
+  for (uint32_t i = 0; i < 6; ++i) {
+    saved.push_back(NewStorage(2 * kMiB, i));
+    ids.push_back(Save(saved.back()));
+    saved.back()->holders = 0;
+  }
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  engine_->BackwardStart(compute_);
+  // The two newest (4 MiB) are reloading or resident, the rest still spilled.
+  EXPECT_NE(StateOf(saved[5]), Residency::kSpilled);
+  EXPECT_NE(StateOf(saved[4]), Residency::kSpilled);
+  EXPECT_EQ(StateOf(saved[3]), Residency::kSpilled);
+  engine_->Synchronize();
+  for (int i = 5; i >= 0; --i) {
+    void* ptr = engine_->Acquire(ids[static_cast<size_t>(i)], compute_);
+    EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, static_cast<uint32_t>(i)));
+    engine_->Synchronize();  // let each prefetch finish before the next ask
+  }
+  EXPECT_EQ(EngineStat("num_prefetch_hits"), 6);
+  EXPECT_EQ(EngineStat("num_stalls"), 0);
+}
+
+}  // namespace
+}  // namespace spillway::testing

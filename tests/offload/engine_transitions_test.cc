@@ -1,0 +1,160 @@
+// The residency state machine, one test per transition, and the keeper rules.
+#include "tests/offload/engine_fixture.h"
+
+namespace spillway::testing {
+namespace {
+
+class OffloadTransitions : public OffloadEngineTest {
+ protected:
+  void SetUp() override {
+    Make(Policy(OffloadPolicy::kEager), size_t{256} << 20, std::chrono::microseconds{0});
+  }
+};
+
+TEST_F(OffloadTransitions, FullCycleKeepsEveryByte) {
+  auto s = NewStorage(4 * kMiB, 7);
+  const KeeperId id = Save(s);
+  EXPECT_EQ(StateOf(s), Residency::kResident);  // the forward pass still holds it
+  s->holders = 0;
+  engine_->ForwardEnd();
+  const Residency after_spill = StateOf(s);
+  EXPECT_TRUE(after_spill == Residency::kSpilling || after_spill == Residency::kSpilled);
+  EXPECT_EQ(s->data(), nullptr);
+  EXPECT_EQ(AllocStat("allocated_bytes.all.current"), 0);  // device block given back
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(s), Residency::kSpilled);
+  void* ptr = engine_->Acquire(id, compute_);
+  EXPECT_EQ(ptr, s->data());
+  EXPECT_EQ(ReadOn(compute_, ptr, s->nbytes()), Pattern(4 * kMiB, 7));
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(s), Residency::kResident);
+  EXPECT_EQ(EngineStat("num_spills"), 1);
+  EXPECT_EQ(EngineStat("num_reloads"), 1);
+  EXPECT_EQ(EngineStat("bytes_to_host"), int64_t{4 * kMiB});
+  EXPECT_EQ(EngineStat("bytes_to_device"), int64_t{4 * kMiB});
+  EXPECT_EQ(EngineStat("host_bytes.current"), 0);
+  EXPECT_EQ(EngineStat("spilled_bytes.peak"), int64_t{4 * kMiB});
+}
+
+TEST_F(OffloadTransitions, DropWhileSpillingReturnsHostBufferAfterTheCopy) {
+  Make(Policy(OffloadPolicy::kEager), size_t{256} << 20, std::chrono::microseconds{3000});
+  auto s = NewStorage(8 * kMiB, 1);
+  const KeeperId id = Save(s);
+  s->holders = 0;
+  engine_->ForwardEnd();
+  engine_->RemoveKeeper(id);
+  EXPECT_FALSE(engine_->Describe(s.get()).has_value());
+  EXPECT_EQ(EngineStat("num_entries"), 0);
+  EXPECT_EQ(EngineStat("spilled_bytes.current"), 0);
+  EXPECT_EQ(EngineStat("host_bytes.current"), 0);
+  engine_->Synchronize();
+  storages_.clear();
+  s.reset();
+  allocator_->ProcessEvents(0);
+  EXPECT_EQ(AllocStat("active_bytes.all.current"), 0);
+}
+
+TEST_F(OffloadTransitions, DropWhileSpilledFreesHostCopy) {
+  auto s = NewStorage(2 * kMiB, 2);
+  const KeeperId id = Save(s);
+  s->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(s), Residency::kSpilled);
+  EXPECT_EQ(EngineStat("host_bytes.current"), int64_t{2 * kMiB});
+  engine_->RemoveKeeper(id);
+  EXPECT_EQ(EngineStat("host_bytes.current"), 0);
+  EXPECT_EQ(EngineStat("spilled_bytes.current"), 0);
+}
+
+TEST_F(OffloadTransitions, DropWhileReloadingLeaksNothing) {
+  Make(Policy(OffloadPolicy::kEager), size_t{256} << 20, std::chrono::microseconds{3000});
+  auto s = NewStorage(4 * kMiB, 3);
+  const KeeperId id = Save(s);
+  s->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  engine_->Acquire(id, compute_);
+  EXPECT_EQ(StateOf(s), Residency::kReloading);
+  engine_->RemoveKeeper(id);
+  EXPECT_EQ(EngineStat("host_bytes.current"), 0);
+  storages_.clear();
+  s.reset();  // the storage goes, and its reloaded block with it
+  engine_->Synchronize();
+  backend_->synchronize_stream(0, compute_.handle);
+  allocator_->ProcessEvents(0);
+  EXPECT_EQ(AllocStat("allocated_bytes.all.current"), 0);
+}
+
+TEST_F(OffloadTransitions, ReloadRequestedWhileSpillingWaitsForTheCopy) {
+  Make(Policy(OffloadPolicy::kEager), size_t{256} << 20, std::chrono::microseconds{3000});
+  auto s = NewStorage(8 * kMiB, 4);
+  const KeeperId id = Save(s);
+  s->holders = 0;
+  engine_->ForwardEnd();
+  ASSERT_EQ(StateOf(s), Residency::kSpilling);  // the D2H copy is still queued
+  void* ptr = engine_->Acquire(id, compute_);
+  EXPECT_EQ(ReadOn(compute_, ptr, s->nbytes()), Pattern(8 * kMiB, 4));
+}
+
+TEST_F(OffloadTransitions, OneEntryAndOneCopyPerStorageHoweverManyViews) {
+  auto s = NewStorage(4 * kMiB, 5);
+  const KeeperId base = Save(s, 0);
+  const KeeperId view = Save(s, 1024);
+  const auto info = engine_->Describe(s.get());
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->keepers.size(), 2u);
+  EXPECT_EQ(info->keepers[1].view.offset, 1024);
+  EXPECT_EQ(EngineStat("num_entries"), 1);
+  s->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  EXPECT_EQ(EngineStat("num_spills"), 1);
+  EXPECT_EQ(EngineStat("bytes_to_host"), int64_t{4 * kMiB});
+  void* a = engine_->Acquire(view, compute_);
+  void* b = engine_->Acquire(base, compute_);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(EngineStat("num_reloads"), 1);
+  engine_->RemoveKeeper(base);
+  EXPECT_TRUE(engine_->Describe(s.get()).has_value());  // the view still keeps it
+  engine_->RemoveKeeper(view);
+  EXPECT_FALSE(engine_->Describe(s.get()).has_value());
+}
+
+TEST_F(OffloadTransitions, ExternalHolderPreventsSpill) {
+  auto s = NewStorage(4 * kMiB, 6);
+  Save(s);
+  engine_->ForwardEnd();
+  EXPECT_EQ(StateOf(s), Residency::kResident);
+  EXPECT_EQ(engine_->Describe(s.get())->external_holders, 1);
+  EXPECT_EQ(EngineStat("num_spills"), 0);
+  s->holders = 0;  // the forward pass let go: eligible now
+  engine_->RunPolicy();
+  EXPECT_NE(StateOf(s), Residency::kResident);
+}
+
+TEST_F(OffloadTransitions, ForeignAndEmptyStoragesAreSkippedWithAReason) {
+  class Foreign : public TestStorage {
+   public:
+    using TestStorage::TestStorage;
+    void* data() const override { return const_cast<int*>(&local_); }
+
+   private:
+    int local_ = 0;
+  };
+  auto foreign = std::make_shared<Foreign>(*allocator_, 4096, compute_);
+  EXPECT_FALSE(engine_->AddKeeper(foreign.get(), [&] { return foreign; }, ViewInfo{}, compute_).has_value());
+  EXPECT_EQ(EngineStat("skipped.not_spillway"), 1);
+  auto empty = std::make_shared<TestStorage>(*allocator_, 0, compute_);
+  EXPECT_FALSE(engine_->AddKeeper(empty.get(), [&] { return empty; }, ViewInfo{}, compute_).has_value());
+  EXPECT_EQ(EngineStat("skipped.empty"), 1);
+  EXPECT_EQ(EngineStat("num_entries"), 0);
+}
+
+TEST_F(OffloadTransitions, UnknownKeeperIsAClearError) {
+  EXPECT_THROW(engine_->Acquire(12345, compute_), InvalidArgumentError);
+  EXPECT_THROW(engine_->RemoveKeeper(12345), InvalidArgumentError);
+}
+
+}  // namespace
+}  // namespace spillway::testing
