@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "allocator/config.h"
 #include "allocator/errors.h"
 #include "allocator/process_allocator.h"
 #include "hooks/runtime.h"
@@ -29,10 +30,8 @@ py::dict MemoryStats(int device) {
   tl::Runtime& runtime = tl::Runtime::Get();
   py::dict out;
   for (const auto& [key, value] : runtime.allocator().FlatStats(device)) out[py::str(key)] = value;
-  if (sw::OffloadEngine* engine = runtime.engine_if_created()) {
-    for (const auto& [key, value] : engine->stats().Flatten()) {
-      out[py::str("spillway." + key)] = value;
-    }
+  for (const auto& [key, value] : runtime.engine().stats().Flatten()) {
+    out[py::str("spillway." + key)] = value;
   }
   return out;
 }
@@ -94,6 +93,30 @@ PYBIND11_MODULE(_C, m) {
     return d;
   });
   m.def("configure_offload", &ConfigureOffload);
+  // What the environment hook needs to know of a configuration string, from the one parser:
+  // the device, and the offload policy if the string names one (None otherwise).
+  m.def("describe_config", [](const std::string& conf) {
+    sw::Config off_base;
+    off_base.offload.policy = sw::OffloadPolicy::kOff;
+    sw::Config eager_base;
+    eager_base.offload.policy = sw::OffloadPolicy::kEager;
+    const absl::StatusOr<sw::Config> a = sw::ParseConfig(conf, off_base);
+    if (!a.ok()) throw sw::InvalidArgumentError(std::string(a.status().message()));
+    const absl::StatusOr<sw::Config> b = sw::ParseConfig(conf, eager_base);
+    py::dict d;
+    d["device"] = a->device == sw::DeviceKind::kSim ? "sim" : "cuda";
+    // A policy the string does not name follows the base: the two parses then differ.
+    if (a->offload.policy == b->offload.policy) {
+      d["offload"] = std::string(sw::OffloadPolicyName(a->offload.policy));
+    } else {
+      d["offload"] = py::none();
+    }
+    d["budget_bytes"] = a->offload.budget_bytes;
+    d["budget_fraction"] = a->offload.budget_fraction;
+    d["min_bytes"] = a->offload.min_bytes;
+    d["prefetch_bytes"] = a->offload.prefetch_bytes;
+    return d;
+  });
   m.def("budget_bytes", [](int device) { return tl::Runtime::Get().engine().budget_bytes(device); });
 
   py::class_<tl::SavedHandle, std::shared_ptr<tl::SavedHandle>>(m, "SavedHandle")

@@ -73,7 +73,10 @@ CachingAllocator& Runtime::allocator() const {
 OffloadEngine& Runtime::engine() {
   CachingAllocator& alloc = allocator();
   std::lock_guard lock(mutex_);
-  if (engine_ == nullptr) engine_ = std::make_unique<OffloadEngine>(alloc, config_.offload);
+  if (engine_ == nullptr) {
+    engine_ = std::make_unique<OffloadEngine>(alloc, config_.offload);
+    for (const char* reason : kTorchSkipReasons) engine_->DeclareSkipReason(reason);
+  }
   return *engine_;
 }
 

@@ -41,7 +41,9 @@ SavedHandle::SavedHandle(KeeperId id, const at::Tensor& t)
       offset_(t.storage_offset()),
       options_(t.options()),
       conj_(t.is_conj()),
-      neg_(t.is_neg()) {}
+      neg_(t.is_neg()),
+      version_counter_(t.unsafeGetTensorImpl()->version_counter()),
+      saved_version_(t.unsafeGetTensorImpl()->version_counter().current_version()) {}
 
 SavedHandle::~SavedHandle() {
   if (!managed()) return;
@@ -62,6 +64,13 @@ std::string SavedHandle::Describe() const {
 
 at::Tensor SavedHandle::Unpack() const {
   if (!managed()) return kept_;
+  const uint32_t current = version_counter_.current_version();
+  TORCH_CHECK(current == saved_version_,
+              "one of the variables needed for gradient computation has been modified by an "
+              "inplace operation: [",
+              Describe(), "] is at version ", current, "; expected version ", saved_version_,
+              " instead. Hint: the tensor was saved for backward (offloaded by Spillway) and "
+              "changed in place afterwards.");
   Runtime& runtime = Runtime::Get();
   OffloadEngine& engine = runtime.engine();
   auto storage = std::dynamic_pointer_cast<TorchStorage>(engine.StorageOf(id_));

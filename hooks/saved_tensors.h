@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/Tensor.h>
+#include <c10/core/TensorImpl.h>
 
 #include <cstdint>
 #include <memory>
@@ -37,6 +38,10 @@ class SavedHandle {
   at::TensorOptions options_;
   bool conj_ = false;
   bool neg_ = false;
+  // With hooks installed, autograd does not compare versions itself: the handle does, so an
+  // in-place change of a saved tensor still raises autograd's usual error.
+  c10::VariableVersion version_counter_{c10::VariableVersion::DISABLED};
+  uint32_t saved_version_ = 0;
 };
 
 // pack_hook / unpack_hook bodies. `Pack` counts why a tensor is kept as it is.

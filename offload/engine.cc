@@ -159,6 +159,7 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   const KeeperId id = next_keeper_++;
   e.keepers.emplace(id, std::move(view));
   keepers_[id] = &e;
+  ++stats_.num_keepers;
   RunPolicy();
   return id;
 }
@@ -573,6 +574,11 @@ std::vector<const void*> OffloadEngine::EntryKeys() const {
 void OffloadEngine::CountSkip(std::string_view reason) {
   std::lock_guard lock(mutex_);
   ++stats_.skipped[std::string(reason)];
+}
+
+void OffloadEngine::DeclareSkipReason(std::string_view reason) {
+  std::lock_guard lock(mutex_);
+  stats_.skipped.try_emplace(std::string(reason), 0);
 }
 
 OffloadStats OffloadEngine::stats() const {

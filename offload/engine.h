@@ -110,6 +110,8 @@ class OffloadEngine {
   // Keys of every live entry, oldest save first.
   std::vector<const void*> EntryKeys() const;
   void CountSkip(std::string_view reason);
+  // Makes `reason` appear in the statistics (at 0) before it is first counted.
+  void DeclareSkipReason(std::string_view reason);
   OffloadStats stats() const;
   void ResetPeakStats();
   size_t budget_bytes(int device) const;

@@ -10,6 +10,7 @@ std::map<std::string, int64_t> OffloadStats::Flatten() const {
       {"host_bytes.peak", host_bytes.peak},
       {"host_reserved_bytes", host_reserved_bytes},
       {"num_entries", num_entries},
+      {"num_keepers", num_keepers},
       {"num_spills", num_spills},
       {"num_reloads", num_reloads},
       {"num_prefetch_hits", num_prefetch_hits},

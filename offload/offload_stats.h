@@ -23,6 +23,7 @@ struct OffloadStats {
   Stat host_bytes;     // pinned bytes holding spilled data
   int64_t host_reserved_bytes = 0;
   int64_t num_entries = 0;
+  int64_t num_keepers = 0;  // saved views registered, ever (not reset)
   int64_t num_spills = 0;
   int64_t num_reloads = 0;
   int64_t num_prefetch_hits = 0;  // reload finished before the consumer asked

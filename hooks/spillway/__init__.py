@@ -1,0 +1,45 @@
+"""Spillway: a storage-aware caching allocator for PyTorch that spills saved activations to
+pinned host memory and brings them back before backward reads them.
+
+    import spillway
+    spillway.install()                      # before CUDA initializes ("sim" for the simulator)
+    with spillway.offload("auto"):
+        loss = model(batch).sum()
+    loss.backward()
+
+See README.md for configuration, snapshots and limitations.
+"""
+
+from ._api import (
+    budget_bytes,
+    empty_cache,
+    install,
+    installed,
+    keepers,
+    memory_stats,
+    offload,
+    release,
+    reset_peak_stats,
+    residency,
+    synchronize,
+)
+
+import sys as _sys
+
+if "_spillway_autoload" in _sys.modules:  # an environment install that waited for this import
+    _boot = _sys.modules["_spillway_autoload"]
+    _boot._report(_boot.finish_pending)
+
+__all__ = [
+    "budget_bytes",
+    "empty_cache",
+    "install",
+    "installed",
+    "keepers",
+    "memory_stats",
+    "offload",
+    "release",
+    "reset_peak_stats",
+    "residency",
+    "synchronize",
+]

@@ -1,0 +1,189 @@
+"""The public functions of `spillway`; argument checks happen here, the work in `spillway._C`."""
+
+import contextlib
+import os
+import threading
+
+import torch
+
+from . import _C
+
+_LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libspillway_alloc.so")
+_POLICIES = ("off", "eager", "auto")
+_MIB = 1 << 20
+_lock = threading.Lock()
+
+
+def _check_bytes(name, value, allow_none=True, positive=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int number of bytes, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        kind = "positive" if positive else "non-negative"
+        raise ValueError(f"{name} must be a {kind} number of bytes, got {value}")
+
+
+def install(device="cuda", conf=None, capacity_bytes=None):
+    """Makes Spillway serve PyTorch's allocations on `device`.
+
+    device: "cuda" installs Spillway as PyTorch's CUDA allocator (must run before CUDA
+        initializes); "sim" installs the simulated device (host memory with a capacity) as
+        PyTorch's CPU allocator, so CPU tensors created afterwards live in it.
+    conf: a `key:value,...` string (the grammar of PYTORCH_CUDA_ALLOC_CONF); see README.
+    capacity_bytes: simulated device capacity (a multiple of 1 MiB; default 1 GiB).
+
+    One install per process; repeating the same call is a no-op, a different one raises.
+    """
+    if device not in ("cuda", "sim"):
+        raise ValueError(f"device must be 'cuda' or 'sim', got {device!r}")
+    if conf is not None and not isinstance(conf, str):
+        raise ValueError(f"conf must be a string like 'offload:auto,prefetch_mb:256', got {conf!r}")
+    _check_bytes("capacity_bytes", capacity_bytes, positive=True)
+    parts = [conf] if conf else []
+    if capacity_bytes is not None:
+        if device != "sim":
+            raise ValueError("capacity_bytes applies to device='sim' only")
+        if capacity_bytes % _MIB:
+            raise ValueError(f"capacity_bytes must be a multiple of 1 MiB ({_MIB}), got {capacity_bytes}")
+        parts.append(f"capacity_mb:{capacity_bytes // _MIB}")
+    text = ",".join(parts)
+    with _lock:
+        if device == "cuda":
+            mode = _C.installed_mode()
+            if mode == "":
+                if torch.version.cuda is None or not torch.cuda.is_available():
+                    raise RuntimeError(
+                        "spillway.install(device='cuda'): this torch has no usable CUDA "
+                        f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use device='sim'")
+                if torch.cuda.is_initialized():
+                    raise RuntimeError(
+                        "spillway.install(device='cuda') must run before CUDA initializes: call "
+                        "it before creating any CUDA tensor")
+            _C.install("cuda", text)
+            if mode == "":
+                allocator = torch.cuda.memory.CUDAPluggableAllocator(
+                    _LIB, "spillway_malloc", "spillway_free")
+                torch.cuda.memory.change_current_allocator(allocator)
+        else:
+            _C.install("sim", text)
+
+
+def installed():
+    """'cuda', 'sim', or None."""
+    return _C.installed_mode() or None
+
+
+def _require_installed(what):
+    if not _C.installed_mode():
+        raise RuntimeError(f"spillway.{what}: call spillway.install() first")
+
+
+def _pack(tensor):
+    # Tensor subclasses (wrappers such as DTensor, float8 or NF4 tensors) keep their Python
+    # type only if kept as they are.
+    if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
+        _C.count_skip("subclass")
+        return tensor
+    return _C.pack(tensor)
+
+
+def _unpack(packed):
+    if isinstance(packed, _C.SavedHandle):
+        return _C.unpack(packed)
+    return packed
+
+
+@contextlib.contextmanager
+def offload(policy="auto", budget_bytes=None, min_bytes=1 << 20, prefetch_bytes=None):
+    """Offloads tensors saved for backward inside the block.
+
+    policy: "auto" (keep allocated bytes under a budget, spilling oldest saves first), "eager"
+        (spill everything eligible), or "off" (register, never spill).
+    budget_bytes: the "auto" budget; default: the configured fraction (80%) of the device limit.
+    min_bytes: storages smaller than this are never spilled.
+    prefetch_bytes: how far ahead backward reloads; default from the configuration (256 MiB).
+    """
+    if policy not in _POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(_POLICIES)}, got {policy!r}")
+    _check_bytes("budget_bytes", budget_bytes, positive=True)
+    _check_bytes("min_bytes", min_bytes, allow_none=False)
+    _check_bytes("prefetch_bytes", prefetch_bytes)
+    _require_installed("offload")
+    defaults = _C.offload_defaults()
+    _C.configure_offload(
+        policy,
+        budget_bytes if budget_bytes is not None else defaults["budget_bytes"],
+        defaults["budget_fraction"],
+        min_bytes,
+        prefetch_bytes if prefetch_bytes is not None else defaults["prefetch_bytes"],
+    )
+    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+        try:
+            yield
+        finally:
+            _C.forward_end()
+
+
+def memory_stats(device=0):
+    """PyTorch's memory_stats keys, plus the offload engine's as 'spillway.<name>'."""
+    _require_installed("memory_stats")
+    return _C.memory_stats(_device_index(device))
+
+
+def reset_peak_stats(device=0):
+    _require_installed("reset_peak_stats")
+    _C.reset_peak_stats(_device_index(device))
+
+
+def empty_cache():
+    _require_installed("empty_cache")
+    _C.empty_cache()
+
+
+def synchronize():
+    """Waits for every offload copy in flight."""
+    _require_installed("synchronize")
+    _C.synchronize()
+
+
+def budget_bytes(device=0):
+    _require_installed("budget_bytes")
+    return _C.budget_bytes(_device_index(device))
+
+
+def _check_tensor(what, tensor):
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"spillway.{what} expects a torch.Tensor, got {type(tensor).__name__}")
+
+
+def keepers(tensor):
+    """Who keeps the tensor's storage: saved views ({'kind': 'saved', 'shape', 'stride',
+    'offset'}) and holders Spillway does not know ({'kind': 'external', 'count': n}; n includes
+    `tensor` itself)."""
+    _check_tensor("keepers", tensor)
+    _require_installed("keepers")
+    return _C.keepers(tensor)
+
+
+def release(tensor, force=False):
+    """Frees the storage's device memory now (the storage becomes 0 bytes) and reports who else
+    held it: {'freed_bytes', 'other_holders', 'keepers'}."""
+    _check_tensor("release", tensor)
+    _require_installed("release")
+    return _C.release(tensor, bool(force))
+
+
+def residency(tensor):
+    """'resident', 'spilling', 'spilled', 'reloading', 'failed', or None if not offloaded."""
+    _check_tensor("residency", tensor)
+    _require_installed("residency")
+    return _C.residency(tensor)
+
+
+def _device_index(device):
+    if isinstance(device, torch.device):
+        device = device.index or 0
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise ValueError(f"device must be an int index or torch.device, got {device!r}")
+    return device

@@ -1,0 +1,55 @@
+"""Shared fixtures. The whole suite runs in one process on the simulated device (installed once:
+Spillway allows one install per process); tests that need another capacity or the environment
+hook run a script in a subprocess."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import spillway
+
+SIM_CAPACITY = 2 << 30
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sim_device():
+    spillway.install("sim", capacity_bytes=SIM_CAPACITY)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    torch.manual_seed(0)
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def stat(name):
+    return spillway.memory_stats()[name]
+
+
+def run_script(source, env=None, timeout=300):
+    """Runs `source` in a fresh interpreter (the one running the tests), with the build's package
+    importable; returns the CompletedProcess."""
+    full_env = dict(os.environ)
+    for var in ("SPILLWAY_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        full_env.pop(var, None)
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(source)], env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def grads_of(module):
+    return [p.grad.clone() for p in module.parameters()]
+
+
+def assert_bitwise_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x, y), (x - y).abs().max()

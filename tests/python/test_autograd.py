@@ -1,0 +1,161 @@
+"""Offload inside real autograd use: checkpointing, retain_graph, in-place errors, exceptions,
+threads, and what is kept as it is."""
+
+import threading
+
+import pytest
+import torch
+import torch.utils.checkpoint as cp
+
+import spillway
+from conftest import assert_bitwise_equal, grads_of, stat
+
+
+def mlp(width=96, depth=4):
+    torch.manual_seed(3)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+def run(model, x, offload=None, checkpoint=None):
+    """One forward/backward; returns the grads. checkpoint: None, True or False (use_reentrant)."""
+    model.zero_grad(set_to_none=True)
+
+    def body(inp):
+        if checkpoint is None:
+            return model(inp)
+        half = len(model) // 2
+        first = cp.checkpoint(model[:half], inp, use_reentrant=checkpoint)
+        return model[half:](first)
+
+    if offload is None:
+        loss = body(x).square().sum()
+    else:
+        with spillway.offload(offload, min_bytes=0, prefetch_bytes=1 << 16):
+            loss = body(x).square().sum()
+    loss.backward()
+    return grads_of(model)
+
+
+@pytest.mark.parametrize("checkpoint", [None, True, False])
+@pytest.mark.parametrize("policy", ["eager", "auto"])
+def test_gradients_equal_without_offload(policy, checkpoint):
+    model = mlp()
+    x = torch.randn(64, 96, requires_grad=checkpoint is True)
+    reference = run(model, x, None, checkpoint)
+    spills = stat("spillway.num_spills")
+    got = run(model, x, policy, checkpoint)
+    assert_bitwise_equal(got, reference)
+    if policy == "eager":
+        assert stat("spillway.num_spills") > spills
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_offload_inside_checkpointed_region(use_reentrant):
+    """torchtune #1867: tensors unpacked by offload and cached by checkpointing must not be freed
+    early. Here offload runs inside the checkpointed function (and so during recompute)."""
+    model = mlp()
+    x = torch.randn(64, 96, requires_grad=True)
+
+    def inner(inp):
+        with spillway.offload("eager", min_bytes=0, prefetch_bytes=0):
+            return model(inp)
+
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    reference = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    cp.checkpoint(inner, x, use_reentrant=use_reentrant).square().sum().backward()
+    assert_bitwise_equal(grads_of(model), reference)
+
+
+def test_retain_graph_then_second_backward():
+    model = mlp()
+    x = torch.randn(64, 96)
+    model.zero_grad(set_to_none=True)
+    loss = model(x).square().sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    reference = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    with spillway.offload("eager", min_bytes=0, prefetch_bytes=0):
+        loss = model(x).square().sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert_bitwise_equal(grads_of(model), reference)
+
+
+def test_in_place_change_of_a_saved_tensor_still_raises():
+    x = torch.randn(32, 32, requires_grad=True)
+    with spillway.offload("eager", min_bytes=0):
+        y = x.exp()  # exp saves its output
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_exception_in_forward_leaks_nothing():
+    model = mlp()
+    x = torch.randn(64, 96)
+    spillway.synchronize()
+    entries = stat("spillway.num_entries")
+    allocated = stat("allocated_bytes.all.current")
+
+    def failing_forward():
+        hidden = model(x)
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with spillway.offload("eager", min_bytes=0):
+            failing_forward()
+    spillway.synchronize()
+    assert stat("spillway.num_entries") == entries
+    assert stat("spillway.host_bytes.current") == 0
+    assert stat("allocated_bytes.all.current") == allocated
+
+
+def test_two_threads_train_concurrently():
+    models = [mlp(), mlp()]
+    inputs = [torch.randn(64, 96), torch.randn(64, 96) * 2]
+    references = [run(m, x) for m, x in zip(models, inputs)]
+    results, errors = [None, None], []
+
+    def worker(i):
+        try:
+            for _ in range(5):
+                results[i] = run(models[i], inputs[i], "eager")
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for got, reference in zip(results, references):
+        assert_bitwise_equal(got, reference)
+
+
+def test_subclasses_and_foreign_tensors_are_kept_and_counted():
+    class Tagged(torch.Tensor):
+        pass
+
+    skipped = stat("spillway.skipped.subclass")
+    x = torch.randn(16, 16).as_subclass(Tagged).requires_grad_()
+    with spillway.offload("eager", min_bytes=0):
+        y = (x * x).sum()
+    y.backward()
+    assert stat("spillway.skipped.subclass") > skipped
+    assert torch.equal(x.grad, 2 * x.detach())
+
+
+def test_small_storages_are_skipped_with_a_reason():
+    skipped = stat("spillway.skipped.small")
+    x = torch.randn(8, 8, requires_grad=True)
+    with spillway.offload("eager", min_bytes=1 << 20):
+        y = x.exp().sum()
+    y.backward()
+    assert stat("spillway.skipped.small") > skipped

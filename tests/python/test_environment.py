@@ -1,0 +1,69 @@
+"""Loading from the environment: a plain script, unchanged, served by Spillway."""
+
+import os
+
+import pytest
+
+from conftest import run_script
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# scripts/build writes a user-site directory whose .pth puts the build on sys.path and runs the
+# start-up hook, as an installed package's .pth would.
+SITE = os.environ.get("SPILLWAY_PYTHON_SITE")
+
+PLAIN_SCRIPT = """
+    import os
+    import torch
+    x = torch.randn(512, 512, requires_grad=True)   # a training script that knows nothing of Spillway
+    for _ in range(2):
+        y = torch.tanh(x @ x).square().sum()
+        y.backward()
+    import spillway
+    stats = spillway.memory_stats()
+    print("installed", spillway.installed())
+    print("allocations", stats["allocation.all.allocated"])
+    print("saved_seen", stats["spillway.num_keepers"])
+    print("pytorch_conf", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+"""
+
+pytestmark = pytest.mark.skipif(SITE is None, reason="SPILLWAY_PYTHON_SITE not set (scripts/test sets it)")
+
+
+def lines_of(result):
+    assert result.returncode == 0, result.stderr
+    return dict(line.split(" ", 1) for line in result.stdout.strip().splitlines())
+
+
+@pytest.mark.parametrize("env", [
+    {"SPILLWAY_ALLOC_CONF": "device:sim,capacity_mb:256,offload:eager,offload_min_kb:0"},
+    {"PYTORCH_CUDA_ALLOC_CONF": "backend:spillway,device:sim,offload:eager,offload_min_kb:0"},
+    {"PYTORCH_ALLOC_CONF": "backend:spillway,device:sim,offload:eager,offload_min_kb:0"},
+])
+def test_plain_script_is_served_under_each_variable(env):
+    out = lines_of(run_script(PLAIN_SCRIPT, env={"PYTHONUSERBASE": SITE, **env}))
+    assert out["installed"] == "sim"
+    assert int(out["allocations"]) > 10
+    assert int(out["saved_seen"]) >= 4  # the saved-tensor hooks were on without code changes
+
+
+def test_pytorch_keys_stay_and_spillway_keys_are_taken_out():
+    env = {"PYTHONUSERBASE": SITE,
+           "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,backend:spillway,device:sim"}
+    out = lines_of(run_script(PLAIN_SCRIPT, env=env))
+    assert out["installed"] == "sim"
+    assert out["pytorch_conf"] == "max_split_size_mb:64"
+
+
+def test_nothing_happens_without_the_variables():
+    result = run_script("import torch, spillway; torch.ones(3); print(spillway.installed())",
+                        env={"PYTHONUSERBASE": SITE})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "None"
+
+
+def test_a_bad_value_is_reported_and_leaves_torch_alone():
+    env = {"PYTHONUSERBASE": SITE, "SPILLWAY_ALLOC_CONF": "device:sim,offload:sometimes"}
+    result = run_script("import torch; print(torch.ones(3).sum().item())", env=env)
+    assert result.returncode == 0
+    assert result.stdout.strip() == "3.0"
+    assert "bad value 'sometimes' for key 'offload'" in result.stderr

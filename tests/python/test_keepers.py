@@ -1,0 +1,68 @@
+"""Who keeps a storage, and releasing one (DeepSpeed #8032)."""
+
+import pytest
+import torch
+
+import spillway
+from conftest import stat
+
+
+def test_keepers_of_a_plain_tensor_are_its_external_holders():
+    t = torch.randn(100)
+    assert spillway.keepers(t) == [{"kind": "external", "count": 1}]
+    view = t[10:]
+    assert spillway.keepers(t) == [{"kind": "external", "count": 2}]
+    del view
+
+
+def test_keepers_list_saved_views_with_geometry():
+    x = torch.randn(32, 32, requires_grad=True)
+    with spillway.offload("off", min_bytes=0):
+        y = x.exp()            # exp saves its output y
+        z = y.t()              # a view: another holder of y's storage
+        w = (y[4:] * y[4:]).sum()  # mul saves both sliced views
+    kept = spillway.keepers(y)
+    saved = [k for k in kept if k["kind"] == "saved"]
+    assert {"kind": "saved", "shape": (32, 32), "stride": (32, 1), "offset": 0} in saved
+    assert {"kind": "saved", "shape": (28, 32), "stride": (32, 1), "offset": 128} in saved
+    external = [k for k in kept if k["kind"] == "external"]
+    assert external == [{"kind": "external", "count": 2}]  # y and z
+    w.backward()
+    del z
+
+
+def test_release_frees_a_padded_base_that_a_view_still_holds():
+    """A padded base buffer with a true-shape view: dropping the base tensor frees nothing while
+    the view holds the storage; release() frees it and says who else held it."""
+    padded = torch.zeros(1024 * 1024 + 37)  # ~4 MiB, padded
+    param = padded[: 1024 * 1024].view(1024, 1024)
+    holder = padded[:10]
+    del padded
+    before = stat("allocated_bytes.all.current")
+    report = spillway.release(param)
+    assert report["freed_bytes"] == (1024 * 1024 + 37) * 4
+    # `holder`, the view nobody cleared, and `padded` itself: deleting the name does not free a
+    # base that its views keep alive (their `_base`).
+    assert report["other_holders"] == 2
+    assert report["keepers"] == [{"kind": "external", "count": 3}]
+    assert before - stat("allocated_bytes.all.current") >= (1024 * 1024 + 37) * 4
+    assert param.untyped_storage().nbytes() == 0 if hasattr(param, "untyped_storage") else True
+    del holder
+
+
+def test_release_refuses_a_storage_saved_for_backward():
+    x = torch.randn(64, 64, requires_grad=True)
+    with spillway.offload("off", min_bytes=0):
+        y = x.exp()
+        loss = y.sum()
+    with pytest.raises(ValueError, match="saved for backward"):
+        spillway.release(y)
+    loss.backward()  # untouched: backward still works
+    assert torch.equal(x.grad, x.detach().exp())
+
+
+def test_bad_arguments_are_value_errors():
+    with pytest.raises(ValueError, match="expects a torch.Tensor"):
+        spillway.keepers([1, 2, 3])
+    with pytest.raises(ValueError, match="expects a torch.Tensor"):
+        spillway.release("tensor")
