@@ -75,6 +75,13 @@ at::Tensor SavedHandle::Unpack() const {
   OffloadEngine& engine = runtime.engine();
   auto storage = std::dynamic_pointer_cast<TorchStorage>(engine.StorageOf(id_));
   TORCH_CHECK(storage != nullptr, "spillway: saved tensor ", Describe(), " was already released");
+  // Build the view first: it holds the storage from here on, so nothing (a prefetch's
+  // out-of-memory rescue, another thread's budget check) can spill it between the reload and
+  // the caller's first use. The view reads the storage's data pointer only when used.
+  at::Tensor out = at::empty({0}, options_);
+  out.set_(storage->storage(), offset_, sizes_, strides_);
+  if (conj_) out._set_conj(true);
+  if (neg_) out._set_neg(true);
   const StreamRef consumer = runtime.CurrentStream(storage->device());
   if (!in_backward.exchange(true)) engine.BackwardStart(consumer);
   try {
@@ -84,10 +91,6 @@ at::Tensor SavedHandle::Unpack() const {
     TORCH_CHECK(false, "spillway could not bring back the saved tensor ", Describe(), ": ",
                 e.what());
   }
-  at::Tensor out = at::empty({0}, options_);
-  out.set_(storage->storage(), offset_, sizes_, strides_);
-  if (conj_) out._set_conj(true);
-  if (neg_) out._set_neg(true);
   return out;
 }
 

@@ -35,6 +35,7 @@ struct OffloadEngine::Entry {
   StreamRef block_stream;         // allocation stream of the current device block
   bool acquired = false;          // handed to a consumer since its last spill
   bool prefetched = false;        // reloaded ahead of use, not yet acquired
+  bool acquiring = false;         // inside Acquire: its own prefetch must not spill it
   bool policy_refused = false;    // a spill was refused for a reason that will not change
   int64_t stall_since_us = 0;     // consumer is waiting since then (0 = nobody waits)
   std::string failure;            // why the bytes are lost (state kFailed)
@@ -248,7 +249,7 @@ void OffloadEngine::Refresh(Entry& e) {
 }
 
 bool OffloadEngine::Eligible(const Entry& e) const {
-  return e.state == Residency::kResident && e.storage->data() != nullptr &&
+  return e.state == Residency::kResident && !e.acquiring && e.storage->data() != nullptr &&
          e.storage->external_holders() == 0;
 }
 
@@ -362,7 +363,14 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
     allocator_.RecordStream(e.storage->data(), consumer);
   }
   e.acquired = true;
-  Prefetch(e.seq, consumer);
+  e.acquiring = true;
+  try {
+    Prefetch(e.seq, consumer);
+  } catch (...) {
+    e.acquiring = false;
+    throw;
+  }
+  e.acquiring = false;
   return e.storage->data();
 }
 
@@ -381,7 +389,7 @@ void OffloadEngine::Prefetch(uint64_t before_seq, StreamRef consumer) {
     in_policy_ = true;
     try {
       Reload(e, consumer);
-    } catch (const Error&) {
+    } catch (const std::exception&) {
       in_policy_ = false;
       break;  // prefetch is best effort; Acquire will retry and report
     }

@@ -160,3 +160,32 @@ TEST_F(OffloadPolicyTest, OffloadPrefetchReloadsAheadInReverseSaveOrder) {
 
 }  // namespace
 }  // namespace spillway::testing
+
+namespace spillway::testing {
+namespace {
+
+// Regression: the prefetch inside Acquire ran out of memory, and the rescue spilled the very
+// entry being acquired (nothing else held it yet), handing the consumer a null pointer.
+TEST_F(OffloadPolicyTest, OffloadPrefetchRescueNeverSpillsTheEntryBeingAcquired) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 64 * kMiB;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  auto older = NewStorage(24 * kMiB, 1);
+  auto newer = NewStorage(24 * kMiB, 2);
+  Save(older);
+  const KeeperId id = Save(newer);
+  older->holders = 0;
+  engine_->ForwardEnd();  // spills `older`; `newer` is still held by the program
+  engine_->Synchronize();
+  newer->holders = 0;     // now only its saved view keeps it, and it is resident
+  storages_.clear();
+  void* filler = allocator_->Malloc(24 * kMiB, 0, compute_);  // no room to prefetch `older`
+  void* ptr = engine_->Acquire(id, compute_);
+  ASSERT_NE(ptr, nullptr);
+  EXPECT_EQ(ptr, newer->data());
+  EXPECT_EQ(ReadOn(compute_, ptr, 24 * kMiB), Pattern(24 * kMiB, 2));
+  allocator_->Free(filler);
+}
+
+}  // namespace
+}  // namespace spillway::testing

@@ -1,0 +1,59 @@
+"""A small GPT-style language model and a training loop, shared by the tests, the demo and the
+training-step benchmark. Deterministic for a given seed, so runs with and without Spillway can be
+compared bitwise."""
+
+import contextlib
+import time
+
+import torch
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding, a stack of TransformerEncoderLayers (causal mask), and an LM head."""
+
+    def __init__(self, vocab=256, d_model=64, nhead=4, layers=4, ff=256, seq=128):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d_model)
+        self.pos = torch.nn.Parameter(torch.randn(seq, d_model) * 0.02)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(d_model, nhead, ff, dropout=0.0, batch_first=True)
+            for _ in range(layers))
+        self.head = torch.nn.Linear(d_model, vocab)
+        self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), 1))
+
+    def forward(self, tokens):
+        h = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        n = tokens.shape[1]
+        for block in self.blocks:
+            h = block(h, src_mask=self.mask[:n, :n])
+        return self.head(h)
+
+
+def batches(steps, batch, seq, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq + 1), generator=g) for _ in range(steps)]
+
+
+def train(steps=3, batch=16, seq=128, d_model=64, layers=4, nhead=4, ff=256, vocab=256,
+          offload=None, on_step=None, seed=0):
+    """Trains a fresh TinyLM; returns (losses, step_seconds). `offload` is a context-manager
+    factory (e.g. lambda: spillway.offload("eager")) wrapped around each forward pass."""
+    torch.manual_seed(seed)
+    model = TinyLM(vocab, d_model, nhead, layers, ff, seq)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses, times = [], []
+    for tokens in batches(steps, batch, seq, vocab, seed):
+        start = time.process_time()
+        optimizer.zero_grad(set_to_none=True)
+        with (offload() if offload else contextlib.nullcontext()):
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab),
+                                                     tokens[:, 1:].reshape(-1))
+            del logits
+        loss.backward()
+        optimizer.step()
+        times.append(time.process_time() - start)
+        losses.append(loss.item())
+        if on_step:
+            on_step()
+    return losses, times

@@ -1,0 +1,75 @@
+"""A small transformer language model trained with and without offload: memory goes down, losses
+stay bitwise equal."""
+
+import os
+import sys
+
+import pytest
+
+import spillway
+from conftest import run_script, stat
+
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
+sys.path.insert(0, BENCH)
+import tiny_lm  # noqa: E402
+
+PREFETCH = 4 << 20
+
+
+def measured(offload):
+    spillway.synchronize()
+    spillway.reset_peak_stats()
+    losses, _ = tiny_lm.train(steps=3, offload=offload)
+    return losses, stat("allocated_bytes.all.peak")
+
+
+def test_eager_halves_the_peak_with_equal_losses():
+    base_losses, base_peak = measured(None)
+    losses, peak = measured(lambda: spillway.offload("eager", min_bytes=0, prefetch_bytes=PREFETCH))
+    assert losses == base_losses  # bitwise: float equality of every step's loss
+    assert peak <= base_peak / 2, (peak, base_peak)
+
+
+def test_auto_keeps_the_peak_under_budget_plus_largest_activation():
+    base_losses, base_peak = measured(None)
+    budget = base_peak // 2
+    largest = 16 * 4 * 128 * 128 * 4  # attention weights: batch x heads x seq x seq floats
+    losses, peak = measured(lambda: spillway.offload("auto", budget_bytes=budget, min_bytes=0,
+                                                     prefetch_bytes=PREFETCH))
+    assert losses == base_losses
+    assert peak <= budget + largest, (peak, budget, largest)
+    assert stat("spillway.num_spills") > 0
+
+
+CAPACITY_SCRIPT = """
+    import sys
+    sys.path.insert(0, {bench!r})
+    import torch, spillway, tiny_lm
+    spillway.install("sim", capacity_bytes={capacity})
+    offload = None
+    if {policy!r} != "none":
+        offload = lambda: spillway.offload({policy!r}, min_bytes=0, prefetch_bytes={prefetch})
+    try:
+        losses, _ = tiny_lm.train(steps=3, offload=offload)
+        print("losses", repr(losses))
+    except torch.cuda.OutOfMemoryError as error:
+        print("oom", str(error).splitlines()[0])
+"""
+
+
+def test_capacity_below_the_peak_fails_without_offload_and_completes_with_auto():
+    base_losses, base_peak = measured(None)
+    # Below the no-offload peak, rounded down to whole MiB.
+    capacity = (int(base_peak * 0.7) >> 20) << 20
+
+    def run(policy):
+        script = CAPACITY_SCRIPT.format(bench=BENCH, capacity=capacity, policy=policy,
+                                        prefetch=PREFETCH)
+        result = run_script(script)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    without = run("none")
+    assert without.startswith("oom Spillway: out of memory on device 0"), without
+    with_auto = run("auto")
+    assert with_auto == "losses " + repr(base_losses)
