@@ -35,15 +35,19 @@ def batches(steps, batch, seq, vocab, seed=0):
 
 
 def train(steps=3, batch=16, seq=128, d_model=64, layers=4, nhead=4, ff=256, vocab=256,
-          offload=None, on_step=None, seed=0):
-    """Trains a fresh TinyLM; returns (losses, step_seconds). `offload` is a context-manager
-    factory (e.g. lambda: spillway.offload("eager")) wrapped around each forward pass."""
+          offload=None, on_step=None, seed=0, device="cpu"):
+    """Trains a fresh TinyLM; returns (losses, step_seconds): CPU time on "cpu" (the simulated
+    device), wall time on CUDA. `offload` is a context-manager factory (e.g.
+    lambda: spillway.offload("eager")) wrapped around each forward pass."""
     torch.manual_seed(seed)
-    model = TinyLM(vocab, d_model, nhead, layers, ff, seq)
+    model = TinyLM(vocab, d_model, nhead, layers, ff, seq).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     losses, times = [], []
     for tokens in batches(steps, batch, seq, vocab, seed):
-        start = time.process_time()
+        tokens = tokens.to(device)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        start = time.perf_counter() if device != "cpu" else time.process_time()
         optimizer.zero_grad(set_to_none=True)
         with (offload() if offload else contextlib.nullcontext()):
             logits = model(tokens[:, :-1])
@@ -52,7 +56,9 @@ def train(steps=3, batch=16, seq=128, d_model=64, layers=4, nhead=4, ff=256, voc
             del logits
         loss.backward()
         optimizer.step()
-        times.append(time.process_time() - start)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() if device != "cpu" else time.process_time()) - start)
         losses.append(loss.item())
         if on_step:
             on_step()

@@ -21,9 +21,9 @@ TEST_F(OomTest, ErrorMessageCarriesTheDiagnostics) {
     const std::string what = e.what();
     EXPECT_EQ(e.requested_bytes(), 30 * kMiB);
     EXPECT_EQ(e.device(), 0);
-    for (const char* part : {"device 0", "tried to allocate 30.00 MiB", "Allocated 40.00 MiB",
-                             "reserved 40.00 MiB", "limit none", "24.00 MiB free of 64.00 MiB",
-                             "largest cached free block"}) {
+    for (const char* part :
+         {"device 0", "tried to allocate 30.00 MiB", "Allocated 40.00 MiB", "reserved 40.00 MiB",
+          "limit none", "24.00 MiB free of 64.00 MiB", "largest cached free block"}) {
       EXPECT_NE(what.find(part), std::string::npos) << "missing '" << part << "' in: " << what;
     }
   }

@@ -10,9 +10,9 @@ using StatsHistoryTest = SimAllocatorTest;
 
 TEST_F(StatsHistoryTest, FlatStatsHaveEveryPyTorchKey) {
   const auto stats = allocator_->FlatStats(0);
-  for (const char* array : {"allocation", "segment", "active", "inactive_split", "allocated_bytes",
-                            "reserved_bytes", "active_bytes", "inactive_split_bytes",
-                            "requested_bytes"}) {
+  for (const char* array :
+       {"allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
+        "active_bytes", "inactive_split_bytes", "requested_bytes"}) {
     for (const char* pool : {"all", "small_pool", "large_pool"}) {
       for (const char* field : {"current", "peak", "allocated", "freed"}) {
         const std::string key = std::string(array) + "." + pool + "." + field;

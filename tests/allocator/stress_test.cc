@@ -348,7 +348,7 @@ TEST(AllocatorStressTest, FourThreadsSharedAndOwnStreams) {
   EXPECT_GT(stats.reserved_bytes.all().current, 0);
   for (const SegmentSnapshot& seg : alloc.TakeSnapshot().segments) {
     EXPECT_EQ(seg.blocks.size(), 1u) << "free neighbours not merged";
-    for (const BlockSnapshot& b : seg.blocks) EXPECT_EQ(b.state, BlockState::kInactive);
+    for (const BlockSnapshot& b : seg.blocks) EXPECT_EQ(BlockStateName(b.state), "inactive");
   }
 
   alloc.EmptyCache();

@@ -1,0 +1,75 @@
+"""Runs one configuration of the training-step benchmark in this process and prints one JSON line.
+
+    python3 bench/train_step.py --device sim --config eager --steps 3
+
+Configurations: default (PyTorch's allocator, no offload; on the simulated device Spillway's
+allocator is the device, so this equals `spillway`), spillway (Spillway's allocator, no offload),
+eager, auto (with --budget bytes). Each configuration needs its own process: an allocator is
+installed once per process.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tiny_lm  # noqa: E402
+
+CONFIGS = ("default", "spillway", "eager", "auto")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("sim", "cuda"), required=True)
+    parser.add_argument("--config", choices=CONFIGS, required=True)
+    parser.add_argument("--budget", type=int, default=None, help="auto budget in bytes")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--capacity-mb", type=int, default=2048, help="simulated device size")
+    parser.add_argument("--prefetch-mb", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--d-model", type=int, default=64)
+    args = parser.parse_args()
+    if args.config == "auto" and not args.budget:
+        parser.error("--config auto needs --budget BYTES")
+
+    uses_spillway = args.device == "sim" or args.config != "default"
+    if uses_spillway:
+        import spillway
+
+        spillway.install(args.device, capacity_bytes=args.capacity_mb << 20
+                         if args.device == "sim" else None)
+    offload = None
+    if args.config in ("eager", "auto"):
+        offload = lambda: spillway.offload(  # noqa: E731
+            args.config, budget_bytes=args.budget if args.config == "auto" else None,
+            min_bytes=0, prefetch_bytes=args.prefetch_mb << 20)
+
+    def stats():
+        if uses_spillway:
+            return spillway.memory_stats()
+        return torch.cuda.memory_stats()
+
+    model_args = dict(layers=args.layers, batch=args.batch, seq=args.seq, d_model=args.d_model,
+                      device="cuda" if args.device == "cuda" else "cpu")
+    losses, times = tiny_lm.train(steps=args.steps, offload=offload, **model_args)
+    s = stats()
+    print(json.dumps({
+        "device": args.device,
+        "config": args.config,
+        "peak_allocated": s["allocated_bytes.all.peak"],
+        "peak_reserved": s["reserved_bytes.all.peak"],
+        "median_step_s": statistics.median(times[1:] if len(times) > 1 else times),
+        "bytes_to_host": s.get("spillway.bytes_to_host", 0),
+        "stall_us": s.get("spillway.stall_us", 0),
+        "losses": losses,
+    }))
+
+
+if __name__ == "__main__":
+    main()
