@@ -419,7 +419,7 @@ std::vector<SegmentSnapshot> DeviceAllocator::SnapshotSegments() const {
       BlockSnapshot bs;
       bs.address = b->ptr;
       bs.size = b->size;
-      bs.requested_size = b->allocated ? b->requested : 0;
+      bs.requested_size = b->allocated || b->event_count > 0 ? b->requested : 0;
       bs.state = b->allocated           ? BlockState::kActiveAllocated
                  : b->event_count > 0 ? BlockState::kActivePendingFree
                                       : BlockState::kInactive;

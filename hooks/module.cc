@@ -10,6 +10,7 @@
 #include "allocator/process_allocator.h"
 #include "hooks/runtime.h"
 #include "hooks/saved_tensors.h"
+#include "hooks/snapshot.h"
 #include "hooks/storage_tools.h"
 
 namespace py = pybind11;
@@ -146,4 +147,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("keepers", &tl::Keepers);
   m.def("release", &tl::Release);
   m.def("residency", &tl::ResidencyOf);
+  m.def("snapshot", &tl::Snapshot);
+  m.def("record_history", &tl::RecordHistory);
 }

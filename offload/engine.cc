@@ -10,6 +10,26 @@
 
 namespace spillway {
 
+namespace {
+
+thread_local int engine_depth = 0;
+
+// The engine's lock, also marking the thread as inside the engine.
+class EngineLock {
+ public:
+  explicit EngineLock(std::recursive_mutex& mutex) : lock_(mutex) { ++engine_depth; }
+  ~EngineLock() { --engine_depth; }
+  EngineLock(const EngineLock&) = delete;
+  EngineLock& operator=(const EngineLock&) = delete;
+
+ private:
+  std::lock_guard<std::recursive_mutex> lock_;
+};
+
+}  // namespace
+
+bool OffloadEngine::InsideEngineOnThisThread() { return engine_depth > 0; }
+
 std::string_view ResidencyName(Residency residency) {
   switch (residency) {
     case Residency::kResident: return "resident";
@@ -90,7 +110,7 @@ OffloadEngine::~OffloadEngine() {
   for (int d = 0; d < allocator_.device_count(); ++d) {
     allocator_.SetWatermark(d, std::numeric_limits<size_t>::max());
   }
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   try {
     Synchronize();
   } catch (const std::exception&) {
@@ -123,7 +143,7 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   if (key == nullptr || !make_storage) {
     throw InvalidArgumentError("OffloadEngine::AddKeeper: key and storage factory must be given");
   }
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   auto it = entries_.find(key);
   if (it == entries_.end()) {
     std::shared_ptr<Storage> storage = make_storage();
@@ -175,13 +195,13 @@ OffloadEngine::Entry& OffloadEngine::EntryOf(KeeperId id) const {
 }
 
 std::shared_ptr<Storage> OffloadEngine::StorageOf(KeeperId id) const {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   auto it = keepers_.find(id);
   return it == keepers_.end() ? nullptr : it->second->storage;
 }
 
 void OffloadEngine::WaitResident(KeeperId id) {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   Entry& e = EntryOf(id);
   if (e.state == Residency::kReloading) {
     backend_.synchronize_event(e.device, e.copy_done);
@@ -190,7 +210,7 @@ void OffloadEngine::WaitResident(KeeperId id) {
 }
 
 void OffloadEngine::RemoveKeeper(KeeperId id) {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   Entry& e = EntryOf(id);
   keepers_.erase(id);
   e.keepers.erase(id);
@@ -330,7 +350,7 @@ void OffloadEngine::Reload(Entry& e, StreamRef consumer) {
 }
 
 void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   Entry& e = EntryOf(id);
   Refresh(e);
   switch (e.state) {
@@ -400,17 +420,17 @@ void OffloadEngine::Prefetch(uint64_t before_seq, StreamRef consumer) {
 }
 
 void OffloadEngine::ForwardEnd() {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   RunPolicy();
 }
 
 void OffloadEngine::BackwardStart(StreamRef consumer) {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   Prefetch(next_seq_, consumer);
 }
 
 void OffloadEngine::RunPolicy() {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   if (in_policy_) return;
   in_policy_ = true;
   try {
@@ -464,7 +484,7 @@ size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool incl
 }
 
 size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   if (config_.policy == OffloadPolicy::kOff) return 0;
   if (device < 0 || device >= static_cast<int>(devices_.size())) return 0;
   const size_t allocated = AllocatedBytes(device);
@@ -487,7 +507,7 @@ size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {
 }
 
 void OffloadEngine::OnPressure(int device) {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   if (in_policy_ || config_.policy != OffloadPolicy::kAuto) return;
   const size_t budget = budget_bytes(device);
   in_policy_ = true;
@@ -501,7 +521,7 @@ void OffloadEngine::OnPressure(int device) {
 }
 
 void OffloadEngine::Synchronize() {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   for (const auto& dc : devices_) {
     if (dc == nullptr) continue;
     backend_.synchronize_stream(dc->device, dc->d2h.handle);
@@ -515,7 +535,7 @@ size_t OffloadEngine::AllocatedBytes(int device) const {
 }
 
 size_t OffloadEngine::budget_bytes(int device) const {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   if (config_.budget_bytes != 0) return config_.budget_bytes;
   size_t limit = allocator_.memory_limit(device);
   if (limit == 0) limit = backend_.mem_info(device).total_bytes;
@@ -531,7 +551,7 @@ void OffloadEngine::UpdateWatermarks() {
 }
 
 void OffloadEngine::SetConfig(const OffloadConfig& config) {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   config_ = config;
   for (auto& [seq, entry] : by_seq_) {
     entry->policy_refused = entry->nbytes < config_.min_bytes;
@@ -540,16 +560,18 @@ void OffloadEngine::SetConfig(const OffloadConfig& config) {
 }
 
 OffloadConfig OffloadEngine::config() const {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   return config_;
 }
 
 std::optional<EntryInfo> OffloadEngine::Describe(const void* key) const {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   auto it = entries_.find(key);
   if (it == entries_.end()) return std::nullopt;
   const Entry& e = *it->second;
   EntryInfo info;
+  info.key = e.key;
+  info.data = e.storage->data();
   info.nbytes = e.nbytes;
   info.device = e.device;
   info.residency = e.state;
@@ -565,14 +587,14 @@ std::optional<EntryInfo> OffloadEngine::Describe(const void* key) const {
 }
 
 std::optional<EntryInfo> OffloadEngine::DescribeKeeper(KeeperId id) const {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   auto it = keepers_.find(id);
   if (it == keepers_.end()) return std::nullopt;
   return Describe(it->second->key);
 }
 
 std::vector<const void*> OffloadEngine::EntryKeys() const {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   std::vector<const void*> keys;
   keys.reserve(by_seq_.size());
   for (const auto& [seq, entry] : by_seq_) keys.push_back(entry->key);
@@ -580,17 +602,17 @@ std::vector<const void*> OffloadEngine::EntryKeys() const {
 }
 
 void OffloadEngine::CountSkip(std::string_view reason) {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   ++stats_.skipped[std::string(reason)];
 }
 
 void OffloadEngine::DeclareSkipReason(std::string_view reason) {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   stats_.skipped.try_emplace(std::string(reason), 0);
 }
 
 OffloadStats OffloadEngine::stats() const {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   OffloadStats out = stats_;
   out.host_reserved_bytes = 0;
   for (const auto& dc : devices_) {
@@ -600,7 +622,7 @@ OffloadStats OffloadEngine::stats() const {
 }
 
 void OffloadEngine::ResetPeakStats() {
-  std::lock_guard lock(mutex_);
+  EngineLock lock(mutex_);
   stats_.spilled_bytes.ResetPeak();
   stats_.host_bytes.ResetPeak();
 }

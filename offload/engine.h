@@ -51,6 +51,8 @@ struct KeeperInfo {
 };
 
 struct EntryInfo {
+  const void* key = nullptr;
+  void* data = nullptr;  // current device pointer; null while spilled
   size_t nbytes = 0;
   int device = 0;
   Residency residency = Residency::kResident;
@@ -115,6 +117,10 @@ class OffloadEngine {
   OffloadStats stats() const;
   void ResetPeakStats();
   size_t budget_bytes(int device) const;
+
+  // True while the calling thread is inside the engine (holding its lock). Hooks that would take
+  // other locks on allocation (the Python stack gatherer takes the GIL) skip their work then.
+  static bool InsideEngineOnThisThread();
 
   // Testing only: skips the consumer's wait on reload-done, the one wait whose absence corrupts
   // data silently. The integrity tests turn it on to prove they catch it.

@@ -12,15 +12,19 @@ See README.md for configuration, snapshots and limitations.
 
 from ._api import (
     budget_bytes,
+    dump_snapshot,
     empty_cache,
     install,
     installed,
     keepers,
     memory_stats,
     offload,
+    pluggable_allocator,
+    record_history,
     release,
     reset_peak_stats,
     residency,
+    snapshot,
     synchronize,
 )
 
@@ -32,14 +36,18 @@ if "_spillway_autoload" in _sys.modules:  # an environment install that waited f
 
 __all__ = [
     "budget_bytes",
+    "dump_snapshot",
     "empty_cache",
     "install",
     "installed",
     "keepers",
     "memory_stats",
     "offload",
+    "pluggable_allocator",
+    "record_history",
     "release",
     "reset_peak_stats",
     "residency",
+    "snapshot",
     "synchronize",
 ]

@@ -62,9 +62,7 @@ def install(device="cuda", conf=None, capacity_bytes=None):
                         "it before creating any CUDA tensor")
             _C.install("cuda", text)
             if mode == "":
-                allocator = torch.cuda.memory.CUDAPluggableAllocator(
-                    _LIB, "spillway_malloc", "spillway_free")
-                torch.cuda.memory.change_current_allocator(allocator)
+                torch.cuda.memory.change_current_allocator(pluggable_allocator())
         else:
             _C.install("sim", text)
 
@@ -179,6 +177,42 @@ def residency(tensor):
     _check_tensor("residency", tensor)
     _require_installed("residency")
     return _C.residency(tensor)
+
+
+def record_history(enabled=True, max_entries=100000, stacks="python"):
+    """Records allocator events, like torch.cuda.memory._record_memory_history. stacks="python"
+    attaches the allocating Python frames (on threads that hold the GIL); "none" records none."""
+    if stacks not in ("python", "none", None):
+        raise ValueError(f"stacks must be 'python' or 'none', got {stacks!r}")
+    _check_bytes("max_entries", max_entries, allow_none=False, positive=True)
+    _require_installed("record_history")
+    _C.record_history(bool(enabled), max_entries, stacks or "none")
+
+
+def snapshot():
+    """PyTorch's snapshot format (segments, device_traces, allocator_settings) plus a
+    "spillway" section: per block its storage entry, residency and keepers; per entry its spill
+    and reload history."""
+    _require_installed("snapshot")
+    return _C.snapshot()
+
+
+def dump_snapshot(path):
+    """Pickles snapshot() to `path` (protocol 4: pytorch.org/memory_viz reads no newer)."""
+    import pickle
+
+    data = snapshot()
+    with open(path, "wb") as f:
+        pickle.dump(data, f, protocol=4)
+    return path
+
+
+def pluggable_allocator():
+    """A torch.cuda.memory.CUDAPluggableAllocator over libspillway_alloc.so (also usable with
+    torch.cuda.MemPool). PyTorch cannot report statistics or snapshots on this route."""
+    if torch.version.cuda is None:
+        raise RuntimeError("pluggable_allocator: this torch has no CUDA")
+    return torch.cuda.memory.CUDAPluggableAllocator(_LIB, "spillway_malloc", "spillway_free")
 
 
 def _device_index(device):

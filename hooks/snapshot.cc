@@ -1,0 +1,217 @@
+#include "hooks/snapshot.h"
+
+#include <Python.h>
+#include <frameobject.h>
+#include <pybind11/stl.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "allocator/errors.h"
+#include "allocator/format.h"
+#include "hooks/runtime.h"
+
+namespace py = pybind11;
+
+namespace spillway::torch_layer {
+namespace {
+
+struct Frame {
+  std::string filename;
+  int line;
+  std::string name;
+};
+// Plain C++ strings, no Python objects: a trace entry may be destroyed on any thread, with or
+// without the GIL.
+using Frames = std::vector<Frame>;
+
+constexpr int kMaxFrames = 64;
+
+// Python frames of the allocating thread, innermost first. PyTorch releases the GIL inside ops,
+// so it is taken here, as PyTorch's own stack gathering does. The allocator never calls this with
+// its locks held; allocations the offload engine makes (reloads) happen under the engine's lock,
+// where waiting for the GIL could deadlock against a Python thread waiting for the engine: those
+// carry no frames.
+TraceContext GatherPythonFrames() {
+  if (!Py_IsInitialized() || OffloadEngine::InsideEngineOnThisThread()) return nullptr;
+  py::gil_scoped_acquire gil;
+  auto frames = std::make_shared<Frames>();
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed
+  Py_XINCREF(frame);
+  while (frame != nullptr && static_cast<int>(frames->size()) < kMaxFrames) {
+    PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
+    const char* filename = PyUnicode_AsUTF8(code->co_filename);
+    const char* name = PyUnicode_AsUTF8(code->co_name);
+    frames->push_back(Frame{filename ? filename : "?", PyFrame_GetLineNumber(frame),
+                            name ? name : "?"});
+    Py_DECREF(code);
+    PyFrameObject* back = PyFrame_GetBack(frame);  // new reference
+    Py_DECREF(frame);
+    frame = back;
+  }
+  Py_XDECREF(frame);
+  return frames;
+}
+
+py::list FramesOf(const TraceContext& context) {
+  py::list out;
+  if (context == nullptr) return out;
+  for (const Frame& f : *static_cast<const Frames*>(context.get())) {
+    py::dict d;
+    d["filename"] = f.filename;
+    d["line"] = f.line;
+    d["name"] = f.name;
+    out.append(d);
+  }
+  return out;
+}
+
+py::list SavedKeepers(const EntryInfo& entry) {
+  py::list out;
+  for (const KeeperInfo& k : entry.keepers) {
+    py::dict d;
+    d["kind"] = "saved";
+    d["shape"] = py::tuple(py::cast(k.view.sizes));
+    d["stride"] = py::tuple(py::cast(k.view.strides));
+    d["offset"] = k.view.offset;
+    out.append(d);
+  }
+  return out;
+}
+
+py::dict SpillwaySection(Runtime& runtime, py::dict& block_sections) {
+  py::list entries;
+  OffloadEngine* engine = runtime.engine_if_created();
+  if (engine != nullptr) {
+    CachingAllocator& allocator = runtime.allocator();
+    for (const void* key : engine->EntryKeys()) {
+      const std::optional<EntryInfo> info = engine->Describe(key);
+      if (!info) continue;  // dropped meanwhile
+      py::dict e;
+      e["entry"] = reinterpret_cast<uintptr_t>(key);
+      e["device"] = info->device;
+      e["nbytes"] = info->nbytes;
+      e["residency"] = std::string(ResidencyName(info->residency));
+      e["keepers"] = SavedKeepers(*info);
+      e["external_holders"] = info->external_holders;
+      e["spill_count"] = info->spill_count;
+      e["reload_count"] = info->reload_count;
+      e["last_spill_us"] = info->last_spill_us;
+      e["last_reload_us"] = info->last_reload_us;
+      py::object address = py::none();
+      if (info->data != nullptr) {
+        if (const auto block = allocator.Lookup(info->data)) {
+          address = py::int_(reinterpret_cast<uintptr_t>(block->ptr));
+          py::dict b;
+          b["entry"] = e["entry"];
+          b["residency"] = e["residency"];
+          b["keepers"] = e["keepers"];
+          b["external_holders"] = info->external_holders;
+          block_sections[address] = b;
+        }
+      }
+      e["address"] = address;
+      entries.append(e);
+    }
+  }
+  py::dict section;
+  section["entries"] = entries;
+  section["blocks"] = block_sections;
+  section["stats"] = engine != nullptr ? py::cast(engine->stats().Flatten()) : py::dict();
+  return section;
+}
+
+}  // namespace
+
+void RecordHistory(bool enabled, size_t max_entries, const std::string& stacks) {
+  if (stacks != "python" && stacks != "none") {
+    throw InvalidArgumentError("record_history: stacks must be \"python\" or \"none\", got \"" +
+                               stacks + "\"");
+  }
+  ContextGatherer gatherer;
+  if (stacks == "python") gatherer = GatherPythonFrames;
+  Runtime::Get().allocator().RecordHistory(enabled, max_entries, std::move(gatherer));
+}
+
+py::dict Snapshot() {
+  Runtime& runtime = Runtime::Get();
+  CachingAllocator& allocator = runtime.allocator();
+  const spillway::Snapshot snap = allocator.TakeSnapshot();
+  py::dict out;
+  py::list segments;
+  for (const SegmentSnapshot& s : snap.segments) {
+    py::dict seg;
+    seg["device"] = s.device;
+    seg["address"] = s.address;
+    seg["total_size"] = s.total_size;
+    seg["allocated_size"] = s.allocated_size;
+    seg["active_size"] = s.active_size;
+    seg["requested_size"] = s.requested_size;
+    seg["stream"] = s.stream;
+    seg["segment_type"] = s.pool == PoolKind::kSmall ? "small" : "large";
+    seg["segment_pool_id"] = py::make_tuple(0, 0);
+    seg["is_expandable"] = false;
+    seg["frames"] = py::list();
+    py::list blocks;
+    for (const BlockSnapshot& b : s.blocks) {
+      py::dict blk;
+      blk["address"] = b.address;
+      blk["size"] = b.size;
+      blk["requested_size"] = b.state == BlockState::kInactive ? b.size : b.requested_size;
+      blk["state"] = std::string(BlockStateName(b.state));
+      blk["frames"] = FramesOf(b.context);
+      if (b.state == BlockState::kActiveAllocated) {
+        // The older (torch <= 2.0) snapshot readers attribute a block's bytes through this.
+        py::dict h;
+        h["addr"] = b.address;
+        h["real_size"] = b.requested_size;
+        h["frames"] = blk["frames"];
+        py::list history;
+        history.append(h);
+        blk["history"] = history;
+      }
+      blocks.append(blk);
+    }
+    seg["blocks"] = blocks;
+    segments.append(seg);
+  }
+  out["segments"] = segments;
+  py::list traces;
+  for (const auto& device_trace : snap.device_traces) {
+    py::list t;
+    for (const TraceEntry& e : device_trace) {
+      py::dict d;
+      d["action"] = std::string(TraceActionName(e.action));
+      if (e.action == TraceAction::kOom) {
+        d["device_free"] = e.addr;
+        d["addr"] = 0;
+      } else {
+        d["addr"] = e.addr;
+      }
+      d["size"] = e.size;
+      d["stream"] = e.stream;
+      d["time_us"] = e.time_us;
+      d["frames"] = FramesOf(e.context);
+      t.append(d);
+    }
+    traces.append(t);
+  }
+  out["device_traces"] = traces;
+  py::dict settings;
+  const AllocatorConfig& config = allocator.config();
+  settings["max_split_size"] = config.max_split_size == std::numeric_limits<size_t>::max()
+                                   ? py::int_(-1)
+                                   : py::int_(config.max_split_size);
+  settings["garbage_collection_threshold"] = config.garbage_collection_threshold;
+  settings["expandable_segments"] = false;
+  settings["backend"] = "spillway";
+  settings["device"] = runtime.mode() == Mode::kSim ? "sim" : "cuda";
+  out["allocator_settings"] = settings;
+  py::dict block_sections;
+  out["spillway"] = SpillwaySection(runtime, block_sections);
+  return out;
+}
+
+}  // namespace spillway::torch_layer

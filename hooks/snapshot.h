@@ -1,0 +1,19 @@
+// Memory snapshots in PyTorch's format (what torch.cuda.memory._snapshot() returns and
+// pytorch.org/memory_viz reads), plus a "spillway" section the viewer ignores: per block its
+// storage entry, residency and keepers; per entry its spill and reload history.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstddef>
+#include <string>
+
+namespace spillway::torch_layer {
+
+pybind11::dict Snapshot();
+
+// Mirrors torch.cuda.memory._record_memory_history: `stacks` is "python" (allocations carry the
+// Python frames of the allocating code) or "none".
+void RecordHistory(bool enabled, size_t max_entries, const std::string& stacks);
+
+}  // namespace spillway::torch_layer

@@ -1,0 +1,111 @@
+"""Snapshots in PyTorch's format, read by PyTorch's own tools, with Spillway's keeper notes."""
+
+import pickle
+
+import pytest
+import torch
+from torch.cuda import _memory_viz
+
+import spillway
+from conftest import stat
+
+VIEWER_SEGMENT_KEYS = {"device", "address", "total_size", "stream", "blocks"}
+VIEWER_BLOCK_KEYS = {"size", "state", "requested_size", "frames"}
+VIEWER_TRACE_KEYS = {"action", "addr", "size", "stream"}
+STATES = {"active_allocated", "active_pending_free", "inactive"}
+ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom",
+           "snapshot"}
+
+
+def training_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 256))
+    x = torch.randn(512, 256)
+    with spillway.offload("eager", min_bytes=0, prefetch_bytes=0):
+        loss = model(x).square().sum()
+    spillway.synchronize()
+    return model, loss
+
+
+@pytest.fixture
+def recorded():
+    spillway.record_history(True, max_entries=100000, stacks="python")
+    yield
+    spillway.record_history(False)
+
+
+def test_snapshot_has_what_the_viewer_requires(recorded):
+    model, loss = training_step()
+    snap = spillway.snapshot()
+    loss.backward()
+    assert isinstance(snap["segments"], list) and isinstance(snap["device_traces"], list)
+    assert len(snap["device_traces"]) == 1
+    for seg in snap["segments"]:
+        assert VIEWER_SEGMENT_KEYS <= seg.keys()
+        assert seg["device"] == 0
+        assert seg["segment_type"] in ("small", "large")
+        assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"]
+        for b in seg["blocks"]:
+            assert VIEWER_BLOCK_KEYS <= b.keys()
+            assert b["state"] in STATES
+            assert 0 < b["requested_size"] <= b["size"]
+    trace = snap["device_traces"][0]
+    assert trace, "history was recorded"
+    for e in trace:
+        assert VIEWER_TRACE_KEYS <= e.keys()
+        assert e["action"] in ACTIONS
+        assert isinstance(e["frames"], list)
+    # Allocations made from Python carry the Python frames that made them.
+    allocs = [e for e in trace if e["action"] == "alloc"]
+    assert any(any(f["name"] == "training_step" for f in e["frames"]) for e in allocs)
+    pickle.loads(pickle.dumps(snap, protocol=4))  # plain types only
+
+
+def test_spills_and_reloads_show_in_the_trace_as_frees_and_allocations(recorded):
+    model, loss = training_step()
+    spilled = {e["entry"]: e for e in spillway.snapshot()["spillway"]["entries"]
+               if e["residency"] in ("spilled", "spilling")}
+    assert spilled
+    before = len(spillway.snapshot()["device_traces"][0])
+    loss.backward()
+    trace = spillway.snapshot()["device_traces"][0][before:]
+    assert stat("spillway.num_reloads") > 0
+    assert sum(e["action"] == "alloc" for e in trace) >= len(spilled)
+
+
+def test_keeper_annotations_name_the_saved_views():
+    x = torch.randn(128, 128, requires_grad=True)
+    with spillway.offload("off", min_bytes=0):
+        y = x.exp()           # saves y
+        z = (y[8:] * 2).sum()  # nothing saved from y's storage
+    snap = spillway.snapshot()
+    address = y.data_ptr()
+    block = snap["spillway"]["blocks"][address]
+    assert {"kind": "saved", "shape": (128, 128), "stride": (128, 1), "offset": 0} in block["keepers"]
+    assert block["residency"] == "resident"
+    assert block["external_holders"] >= 1
+    z.backward()
+
+
+def test_pytorchs_memory_viz_reads_it(tmp_path):
+    model, loss = training_step()
+    path = spillway.dump_snapshot(str(tmp_path / "snap.pickle"))
+    with open(path, "rb") as f:
+        snap = pickle.load(f)
+    loss.backward()
+    after = spillway.snapshot()
+    segments = snap["segments"]
+    identity = lambda text: text  # noqa: E731 - skip flamegraph.pl (it downloads)
+    stats = _memory_viz.stats(segments)
+    assert stats["total_size"].value == sum(s["total_size"] for s in segments)
+    assert "active_allocated" in _memory_viz.segments(segments, format_flamegraph=identity)
+    assert _memory_viz.memory(segments, format_flamegraph=identity)
+    _memory_viz.compare(segments, after["segments"], format_flamegraph=identity)
+
+
+def test_record_history_checks_its_arguments():
+    with pytest.raises(ValueError, match="stacks must be"):
+        spillway.record_history(True, stacks="cpp")
+    with pytest.raises(ValueError, match="max_entries must be a positive"):
+        spillway.record_history(True, max_entries=0)
