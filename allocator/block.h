@@ -50,27 +50,33 @@ struct FreeKey {
 
 class FreeIndex {
  public:
+  // A permanent sentinel on a stream id no real stream has keeps the tree's root node alive:
+  // without it, an index that empties and refills on every malloc/free pair (the common cached
+  // path) would free and reallocate its root through the system heap each time.
+  FreeIndex() { set_.insert(FreeKey{kSentinelStream, 0, 0, nullptr}); }
+
   void Insert(Block* b) { set_.insert(FreeKey{b->stream.id, b->size, b->ptr, b}); }
   void Erase(const Block* b) { set_.erase(FreeKey{b->stream.id, b->size, b->ptr, nullptr}); }
-  // Smallest free block on `stream` with size >= `size`, or null.
-  Block* BestFit(uint64_t stream, size_t size) const {
+  // Removes and returns the smallest free block on `stream` with size >= `size`, if `accept`
+  // takes it; else null and the index is unchanged. One tree descent for find and erase.
+  template <typename Accept>
+  Block* TakeBestFit(uint64_t stream, size_t size, Accept accept) {
     auto it = set_.lower_bound(FreeKey{stream, size, 0, nullptr});
-    if (it == set_.end() || it->stream != stream) return nullptr;
-    return it->block;
+    if (it == set_.end() || it->stream != stream || !accept(it->block)) return nullptr;
+    Block* block = it->block;
+    set_.erase(it);
+    return block;
   }
-  // Next larger candidate after `b` on the same stream, or null.
-  Block* NextOnStream(const Block* b) const {
-    auto it = set_.upper_bound(FreeKey{b->stream.id, b->size, b->ptr, nullptr});
-    if (it == set_.end() || it->stream != b->stream.id) return nullptr;
-    return it->block;
-  }
-  size_t size() const { return set_.size(); }
+  size_t size() const { return set_.size() - 1; }
   template <typename Fn>
   void ForEach(Fn fn) const {
-    for (const FreeKey& k : set_) fn(k.block);
+    for (const FreeKey& k : set_) {
+      if (k.block != nullptr) fn(k.block);
+    }
   }
 
  private:
+  static constexpr uint64_t kSentinelStream = ~uint64_t{0};
   absl::btree_set<FreeKey> set_;
 };
 

@@ -96,12 +96,9 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext contex
 }
 
 Block* DeviceAllocator::FindFree(PoolKind kind, StreamRef stream, size_t size) {
-  FreeIndex& index = pool(kind);
-  Block* block = index.BestFit(stream.id, size);
   // The best fit is the smallest candidate; if it breaks an oversize rule so does every larger one.
-  if (block == nullptr || !policy_.AcceptsBlock(block->size, size)) return nullptr;
-  index.Erase(block);
-  return block;
+  return pool(kind).TakeBestFit(
+      stream.id, size, [&](const Block* b) { return policy_.AcceptsBlock(b->size, size); });
 }
 
 Block* DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t segment_size) {
@@ -187,11 +184,13 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
   const auto uses = block->stream_uses;
   block->stream_uses.clear();
   for (const StreamRef& use : uses) {
-    EventHandle event = TakeEvent();
+    EventHandle event = nullptr;
     try {
+      // Creating the event can fail too (TakeEvent has no spare): same fallback as a failed record.
+      event = TakeEvent();
       backend_.record_event(device_, event, use.handle);
     } catch (const BackendError&) {
-      spare_events_.push_back(event);
+      if (event != nullptr) spare_events_.push_back(event);
       ++block->event_count;  // quarantine unless the host wait below succeeds
       backend_.synchronize_stream(device_, use.handle);
       --block->event_count;

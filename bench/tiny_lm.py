@@ -6,6 +6,7 @@ import contextlib
 import time
 
 import torch
+import torch.utils.checkpoint
 
 
 class TinyLM(torch.nn.Module):
@@ -21,11 +22,17 @@ class TinyLM(torch.nn.Module):
         self.head = torch.nn.Linear(d_model, vocab)
         self.register_buffer("mask", torch.triu(torch.full((seq, seq), float("-inf")), 1))
 
+    checkpoint_layers = False  # activation checkpointing per layer (a baseline to compare with)
+
     def forward(self, tokens):
         h = self.embed(tokens) + self.pos[: tokens.shape[1]]
         n = tokens.shape[1]
+        mask = self.mask[:n, :n]
         for block in self.blocks:
-            h = block(h, src_mask=self.mask[:n, :n])
+            if self.checkpoint_layers:
+                h = torch.utils.checkpoint.checkpoint(block, h, mask, use_reentrant=False)
+            else:
+                h = block(h, src_mask=mask)
         return self.head(h)
 
 
@@ -35,12 +42,13 @@ def batches(steps, batch, seq, vocab, seed=0):
 
 
 def train(steps=3, batch=16, seq=128, d_model=64, layers=4, nhead=4, ff=256, vocab=256,
-          offload=None, on_step=None, seed=0, device="cpu"):
+          offload=None, on_step=None, seed=0, device="cpu", checkpoint_layers=False):
     """Trains a fresh TinyLM; returns (losses, step_seconds): CPU time on "cpu" (the simulated
     device), wall time on CUDA. `offload` is a context-manager factory (e.g.
     lambda: spillway.offload("eager")) wrapped around each forward pass."""
     torch.manual_seed(seed)
     model = TinyLM(vocab, d_model, nhead, layers, ff, seq).to(device)
+    model.checkpoint_layers = checkpoint_layers
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     losses, times = [], []
     for tokens in batches(steps, batch, seq, vocab, seed):

@@ -4,8 +4,10 @@
 
 Configurations: default (PyTorch's allocator, no offload; on the simulated device Spillway's
 allocator is the device, so this equals `spillway`), spillway (Spillway's allocator, no offload),
-eager, auto (with --budget bytes). Each configuration needs its own process: an allocator is
-installed once per process.
+eager, auto (with --budget bytes), save_on_cpu (torch.autograd.graph.save_on_cpu(pin_memory=True)
+on the default allocator; CUDA only), checkpoint (activation checkpointing per layer on the
+default allocator). Each configuration needs its own process: an allocator is installed once per
+process.
 """
 
 import argparse
@@ -19,7 +21,22 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_lm  # noqa: E402
 
-CONFIGS = ("default", "spillway", "eager", "auto")
+CONFIGS = ("default", "spillway", "eager", "auto", "save_on_cpu", "checkpoint")
+
+
+def write_trace(events, path):
+    """A replayable allocation trace: one line per event, `a ID SIZE STREAM` for an allocation and
+    `f ID` for its free, with IDs in place of addresses (addresses differ from run to run)."""
+    live, next_id, lines = {}, 0, []
+    for e in events:
+        if e["action"] == "alloc":
+            live[e["addr"]] = next_id
+            lines.append(f"a {next_id} {e['size']} {e['stream']}")
+            next_id += 1
+        elif e["action"] == "free_requested" and e["addr"] in live:
+            lines.append(f"f {live.pop(e['addr'])}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def main():
@@ -34,11 +51,15 @@ def main():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--trace", default=None,
+                        help="write the allocation trace of the run here (Spillway configs)")
     args = parser.parse_args()
     if args.config == "auto" and not args.budget:
         parser.error("--config auto needs --budget BYTES")
+    if args.config == "save_on_cpu" and args.device != "cuda":
+        parser.error("save_on_cpu has no meaning on the simulated device (it is host memory)")
 
-    uses_spillway = args.device == "sim" or args.config != "default"
+    uses_spillway = args.device == "sim" or args.config in ("spillway", "eager", "auto")
     if uses_spillway:
         import spillway
 
@@ -49,6 +70,8 @@ def main():
         offload = lambda: spillway.offload(  # noqa: E731
             args.config, budget_bytes=args.budget if args.config == "auto" else None,
             min_bytes=0, prefetch_bytes=args.prefetch_mb << 20)
+    elif args.config == "save_on_cpu":
+        offload = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)  # noqa: E731
 
     def stats():
         if uses_spillway:
@@ -56,8 +79,13 @@ def main():
         return torch.cuda.memory_stats()
 
     model_args = dict(layers=args.layers, batch=args.batch, seq=args.seq, d_model=args.d_model,
-                      device="cuda" if args.device == "cuda" else "cpu")
+                      device="cuda" if args.device == "cuda" else "cpu",
+                      checkpoint_layers=args.config == "checkpoint")
+    if args.trace and uses_spillway:
+        spillway.record_history(True, max_entries=1_000_000, stacks="none")
     losses, times = tiny_lm.train(steps=args.steps, offload=offload, **model_args)
+    if args.trace and uses_spillway:
+        write_trace(spillway.snapshot()["device_traces"][0], args.trace)
     s = stats()
     print(json.dumps({
         "device": args.device,

@@ -530,6 +530,11 @@ void OffloadEngine::Synchronize() {
   for (auto& [seq, entry] : by_seq_) Refresh(*entry);
 }
 
+StreamRef OffloadEngine::h2d_stream_for_testing(int device) {
+  EngineLock lock(mutex_);
+  return Device(device).h2d;
+}
+
 size_t OffloadEngine::AllocatedBytes(int device) const {
   return static_cast<size_t>(allocator_.stats(device).allocated_bytes.all().current);
 }

@@ -125,6 +125,8 @@ class OffloadEngine {
   // Testing only: skips the consumer's wait on reload-done, the one wait whose absence corrupts
   // data silently. The integrity tests turn it on to prove they catch it.
   void set_skip_consumer_wait_for_testing(bool skip) { skip_consumer_wait_ = skip; }
+  // Testing only: the engine's host-to-device copy stream on `device`, so a test can hold it.
+  StreamRef h2d_stream_for_testing(int device);
 
  private:
   struct Entry;

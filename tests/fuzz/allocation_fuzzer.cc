@@ -8,8 +8,9 @@
 //  - the first and last 8 bytes of every live allocation still hold what was written there at
 //    malloc (anything else means the block was handed out twice, or a copy queued by an earlier
 //    owner landed after reuse);
-//  - statistics: allocation, allocated_bytes and requested_bytes match the live set; reserved
-//    bytes match the segments in the snapshot and the device's bytes in use;
+//  - statistics: allocation and allocated_bytes match the live set; active_bytes and
+//    requested_bytes match the snapshot's active blocks (live, or freed with a stream use
+//    pending); reserved bytes match the segments and the device's bytes in use;
 //  - snapshot: each segment's blocks tile it exactly, its allocated size is the sum of its
 //    allocated blocks, and the allocated blocks are exactly the live allocations;
 //  - stream-ordered reuse: a block freed after a stream use on a stream that is held (so the
@@ -305,11 +306,13 @@ class Harness {
     const DeviceStats stats = allocator_->stats(0);
     FUZZ_CHECK(stats.allocation.all().current == static_cast<int64_t>(live_.size()));
     FUZZ_CHECK(stats.allocated_bytes.all().current == allocated);
-    FUZZ_CHECK(stats.requested_bytes.all().current == requested);
 
     const Snapshot snapshot = allocator_->TakeSnapshot();
     int64_t reserved = 0;
     size_t allocated_blocks = 0;
+    int64_t allocated_requested = 0;
+    int64_t active = 0;  // allocated, or freed with a stream use still pending
+    int64_t active_requested = 0;
     for (const SegmentSnapshot& segment : snapshot.segments) {
       size_t tiled = 0;
       size_t segment_allocated = 0;
@@ -321,8 +324,14 @@ class Harness {
         if (block.state == BlockState::kActiveAllocated) {
           ++allocated_blocks;
           segment_allocated += block.size;
+          allocated_requested += static_cast<int64_t>(block.requested_size);
           const auto info = allocator_->Lookup(reinterpret_cast<void*>(block.address));
           FUZZ_CHECK(info.has_value() && info->size == block.size);
+          FUZZ_CHECK(info->requested == block.requested_size);
+        }
+        if (block.state != BlockState::kInactive) {
+          active += static_cast<int64_t>(block.size);
+          active_requested += static_cast<int64_t>(block.requested_size);
         }
       }
       FUZZ_CHECK(tiled == segment.total_size);
@@ -330,6 +339,11 @@ class Harness {
       reserved += static_cast<int64_t>(segment.total_size);
     }
     FUZZ_CHECK(allocated_blocks == live_.size());
+    FUZZ_CHECK(allocated_requested == requested);
+    // As in PyTorch, a block freed with stream uses pending stays active (and keeps counting as
+    // requested) until its events complete.
+    FUZZ_CHECK(stats.active_bytes.all().current == active);
+    FUZZ_CHECK(stats.requested_bytes.all().current == active_requested);
     FUZZ_CHECK(stats.reserved_bytes.all().current == reserved);
     FUZZ_CHECK(backend_->bytes_in_use(0) == static_cast<size_t>(reserved));
     FUZZ_CHECK(static_cast<size_t>(reserved) <= kCapacity);

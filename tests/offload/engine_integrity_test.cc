@@ -68,15 +68,14 @@ TEST_F(OffloadIntegrity, RandomContentsSurviveSpillAndReload) {
 }
 
 // Proof the harness can fail: without the consumer's wait on reload-done, a read issued right
-// after Acquire sees bytes the H2D copy has not written yet.
+// after Acquire sees bytes the H2D copy has not written yet. The H2D stream is held by a gate, so
+// the outcome does not depend on timing.
 TEST_F(OffloadIntegrity, DroppingTheConsumerWaitIsCaught) {
-  Make(Policy(OffloadPolicy::kEager), 256 * kMiB, std::chrono::microseconds{5000});
-  int corrupted_without_wait = 0;
-  int corrupted_with_wait = 0;
-  for (int trial = 0; trial < 12; ++trial) {
-    const bool skip = trial % 2 == 0;
+  Make(Policy(OffloadPolicy::kEager), 256 * kMiB, std::chrono::microseconds{0});
+  for (const bool skip : {true, false}) {
     engine_->set_skip_consumer_wait_for_testing(skip);
-    auto s = NewStorage(kMiB, static_cast<uint32_t>(100 + trial));
+    const uint32_t seed = skip ? 100 : 200;
+    auto s = NewStorage(kMiB, seed);
     const KeeperId id = Save(s);
     s->holders = 0;
     engine_->ForwardEnd();
@@ -87,15 +86,27 @@ TEST_F(OffloadIntegrity, DroppingTheConsumerWaitIsCaught) {
     void* scratch = allocator_->Malloc(kMiB, 0, compute_);
     std::memset(scratch, 0, kMiB);
     allocator_->Free(scratch);
+    auto gate = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
     void* ptr = engine_->Acquire(id, compute_);
-    const bool ok = ReadOn(compute_, ptr, kMiB) == Pattern(kMiB, static_cast<uint32_t>(100 + trial));
-    (skip ? corrupted_without_wait : corrupted_with_wait) += ok ? 0 : 1;
+    if (skip) {
+      // Nothing orders the read after the held copy: it must see the scrubbed bytes.
+      const bool intact = ReadOn(compute_, ptr, kMiB) == Pattern(kMiB, seed);
+      gate->Open();
+      EXPECT_FALSE(intact) << "a missing wait went unnoticed";
+    } else {
+      // With the wait the read blocks until the copy ran, so the gate opens from elsewhere.
+      std::thread opener([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        gate->Open();
+      });
+      const bool intact = ReadOn(compute_, ptr, kMiB) == Pattern(kMiB, seed);
+      opener.join();
+      EXPECT_TRUE(intact);
+    }
     engine_->Synchronize();
     engine_->RemoveKeeper(id);
     storages_.clear();
   }
-  EXPECT_EQ(corrupted_with_wait, 0);
-  EXPECT_GT(corrupted_without_wait, 0) << "a missing wait went unnoticed";
 }
 
 TEST_F(OffloadIntegrity, ConcurrentForwardAndBackwardThreads) {

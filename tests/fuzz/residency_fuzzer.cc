@@ -1,0 +1,411 @@
+// Fuzzes the offload engine's spill/reload round trip. The input picks a policy (off, eager,
+// auto) and its knobs, then runs a program on a 32 MiB simulated device with two streams: new
+// storages with random contents (up to 1 MiB), more views of a storage, the program letting go
+// of a storage or taking it back, policy runs, forward end, backward start, acquires from
+// either stream, keeper removal, the out-of-memory rescue, synchronisation, scratch allocations
+// that put the device under pressure, configuration changes, and streams held busy so that
+// copies provably have not run yet.
+//
+// What must hold:
+//  - after Acquire and WaitResident, every byte of the storage is the one written at creation;
+//  - Acquire hands out the storage's own pointer and fails only with OutOfMemoryError (no fault
+//    is injected here), leaving the entry spilled;
+//  - no entry ever reaches the failed state; each entry's state agrees with whether its storage
+//    holds device memory;
+//  - statistics agree with the states: spilled bytes are the entries spilling or spilled, host
+//    bytes those with a host copy, the allocator's live allocations are the storages holding
+//    memory plus the scratch blocks;
+//  - scratch blocks keep the marks written at allocation (a copy the engine queued into a block
+//    the allocator has meanwhile handed out again would clobber them);
+//  - at the end, with everything dropped, nothing is left: no entry, no host bytes, no
+//    allocation.
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "allocator/caching_allocator.h"
+#include "allocator/errors.h"
+#include "offload/engine.h"
+#include "tests/fuzz/fuzz_support.h"
+
+namespace spillway {
+namespace {
+
+constexpr size_t kKiB = size_t{1} << 10;
+constexpr size_t kMiB = size_t{1} << 20;
+constexpr size_t kCapacity = 32 * kMiB;
+constexpr size_t kMaxItems = 24;
+constexpr size_t kMaxScratch = 8;
+constexpr size_t kMark = 8;
+
+// Like tests/offload/engine_fixture.h's TestStorage (that header needs GoogleTest): a storage
+// over Spillway's allocator whose other holders the fuzzer controls.
+class FuzzStorage : public Storage {
+ public:
+  FuzzStorage(CachingAllocator& allocator, size_t nbytes, StreamRef stream)
+      : allocator_(allocator), nbytes_(nbytes), ptr_(allocator.Malloc(nbytes, 0, stream)) {}
+  ~FuzzStorage() override {
+    if (ptr_ != nullptr) allocator_.Free(ptr_);
+  }
+  void* data() const override { return ptr_; }
+  size_t nbytes() const override { return nbytes_; }
+  int device() const override { return 0; }
+  int64_t external_holders() const override { return holders.load(); }
+  void drop_device_memory() override {
+    allocator_.Free(ptr_);
+    ptr_ = nullptr;
+  }
+  void* allocate_device_memory(StreamRef stream) override {
+    ptr_ = allocator_.Malloc(nbytes_, 0, stream);
+    return ptr_;
+  }
+
+  std::atomic<int64_t> holders{1};
+
+ private:
+  CachingAllocator& allocator_;
+  size_t nbytes_;
+  void* ptr_;
+};
+
+// Contents of a storage: cheap to regenerate, so nothing but the seed is kept.
+void FillPattern(uint8_t* out, size_t n, uint64_t seed) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = 0; i < n; i += 8) {
+    x += 0x9E3779B97F4A7C15ull;
+    uint64_t z = x;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    std::memcpy(out + i, &z, std::min<size_t>(8, n - i));
+  }
+}
+
+// Scratch blocks carry marks in their first and last kMark bytes (overlapping when small).
+uint8_t MarkByte(uint64_t id, size_t offset) {
+  uint64_t x = (id + 1) * 0x9E3779B97F4A7C15ull + offset * 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 31;
+  return static_cast<uint8_t>(x ^ (x >> 17));
+}
+
+template <typename F>
+void ForEachMarkOffset(size_t n, F&& f) {
+  for (size_t i = 0; i < std::min(n, kMark); ++i) f(i);
+  for (size_t i = n > kMark ? n - kMark : 0; i < n; ++i) f(i);
+}
+
+struct Item {
+  std::shared_ptr<FuzzStorage> storage;
+  uint64_t seed;
+  int stream;
+  std::vector<KeeperId> keepers;
+};
+
+struct Scratch {
+  uint8_t* ptr;
+  size_t size;
+  uint64_t id;
+};
+
+enum Op : uint8_t {
+  kNew,
+  kAddView,
+  kSetHolders,
+  kRunPolicy,
+  kForwardEnd,
+  kBackwardStart,
+  kAcquire,
+  kRemoveKeeper,
+  kReleaseMemory,
+  kSynchronize,
+  kHold,
+  kRelease,
+  kScratchAlloc,
+  kScratchFree,
+  kSetConfig,
+  kNumOps,
+};
+
+OffloadConfig ConsumeConfig(FuzzedDataProvider& in) {
+  OffloadConfig config;
+  const OffloadPolicy policies[] = {OffloadPolicy::kOff, OffloadPolicy::kEager,
+                                    OffloadPolicy::kAuto};
+  config.policy = policies[in.ConsumeIntegralInRange<int>(0, 2)];
+  config.budget_bytes = (size_t{1} << in.ConsumeIntegralInRange<int>(1, 4)) * kMiB;  // 2..16 MiB
+  const size_t min_bytes[] = {0, 4 * kKiB, 64 * kKiB, 512 * kKiB};
+  config.min_bytes = min_bytes[in.ConsumeIntegralInRange<int>(0, 3)];
+  const size_t prefetch[] = {0, 512 * kKiB, 2 * kMiB, 8 * kMiB};
+  config.prefetch_bytes = prefetch[in.ConsumeIntegralInRange<int>(0, 3)];
+  const size_t host_limit[] = {0, 2 * kMiB, 8 * kMiB};
+  config.host_limit_bytes = host_limit[in.ConsumeIntegralInRange<int>(0, 2)];
+  return config;
+}
+
+class Harness {
+ public:
+  explicit Harness(const OffloadConfig& config) {
+    SimBackend::Options options;
+    options.capacity_bytes = kCapacity;
+    backend_ = std::make_shared<fuzz::GatedBackend>(options);
+    allocator_ = std::make_unique<CachingAllocator>(backend_, AllocatorConfig{});
+    streams_[0] = backend_->default_stream(0);
+    streams_[1] = backend_->create_stream(0);
+    engine_ = std::make_unique<OffloadEngine>(*allocator_, config);
+  }
+  ~Harness() {
+    engine_.reset();
+    items_.clear();
+    allocator_.reset();
+    backend_.reset();
+  }
+
+  void Run(FuzzedDataProvider& in) {
+    while (in.remaining_bytes() > 0) {
+      Step(in);
+      Check();
+    }
+    // Drop everything: nothing may be left behind.
+    while (!items_.empty()) {
+      Item& item = items_.back();
+      while (!item.keepers.empty()) {
+        engine_->RemoveKeeper(item.keepers.back());
+        item.keepers.pop_back();
+      }
+      items_.pop_back();
+    }
+    while (!scratch_.empty()) FreeScratch(scratch_.size() - 1);
+    engine_->Synchronize();
+    for (const StreamRef& stream : streams_) backend_->synchronize_stream(0, stream.handle);
+    allocator_->ProcessEvents(0);
+    Check();
+    const OffloadStats stats = engine_->stats();
+    FUZZ_CHECK(stats.num_entries == 0);
+    FUZZ_CHECK(stats.host_bytes.current == 0);
+    FUZZ_CHECK(stats.spilled_bytes.current == 0);
+    FUZZ_CHECK(allocator_->stats(0).allocated_bytes.all().current == 0);
+  }
+
+ private:
+  void Step(FuzzedDataProvider& in) {
+    switch (in.ConsumeIntegralInRange<uint8_t>(0, kNumOps - 1)) {
+      case kNew:
+        New(in);
+        break;
+      case kAddView:
+        if (!items_.empty()) AddView(items_[PickItem(in)]);
+        break;
+      case kSetHolders:
+        if (!items_.empty()) items_[PickItem(in)].storage->holders = in.ConsumeBool() ? 1 : 0;
+        break;
+      case kRunPolicy:
+        engine_->RunPolicy();
+        break;
+      case kForwardEnd:
+        engine_->ForwardEnd();
+        break;
+      case kBackwardStart:
+        engine_->BackwardStart(streams_[in.ConsumeIntegralInRange<int>(0, 1)]);
+        break;
+      case kAcquire:
+        if (!items_.empty()) Acquire(in);
+        break;
+      case kRemoveKeeper:
+        if (!items_.empty()) RemoveKeeper(in);
+        break;
+      case kReleaseMemory:
+        engine_->ReleaseMemory(0, in.ConsumeIntegralInRange<size_t>(0, 8 * kMiB));
+        break;
+      case kSynchronize:
+        engine_->Synchronize();
+        break;
+      case kHold:
+        backend_->Hold(streams_[in.ConsumeIntegralInRange<int>(0, 1)]);
+        break;
+      case kRelease:
+        backend_->ReleaseAll();
+        break;
+      case kScratchAlloc:
+        AllocScratch(in);
+        break;
+      case kScratchFree:
+        if (!scratch_.empty()) {
+          FreeScratch(in.ConsumeIntegralInRange<size_t>(0, scratch_.size() - 1));
+        }
+        break;
+      case kSetConfig:
+        engine_->SetConfig(ConsumeConfig(in));
+        break;
+    }
+  }
+
+  size_t PickItem(FuzzedDataProvider& in) {
+    return in.ConsumeIntegralInRange<size_t>(0, items_.size() - 1);
+  }
+
+  void New(FuzzedDataProvider& in) {
+    // Log-uniform up to 1 MiB: small storages keep executions fast and exercise the min_bytes
+    // threshold; large ones fill the device quickly.
+    const int log2 = in.ConsumeIntegralInRange<int>(0, 20);
+    const size_t nbytes =
+        std::min(kMiB, (size_t{1} << log2) + in.ConsumeIntegralInRange<size_t>(0, (size_t{1} << log2) - 1));
+    const int stream = in.ConsumeIntegralInRange<int>(0, 1);
+    const bool held = in.ConsumeBool();
+    if (items_.size() >= kMaxItems) return;
+    std::shared_ptr<FuzzStorage> storage;
+    try {
+      storage = std::make_shared<FuzzStorage>(*allocator_, nbytes, streams_[stream]);
+    } catch (const OutOfMemoryError&) {
+      return;  // the device is full of storages the program holds: legitimate
+    }
+    const uint64_t seed = next_seed_++;
+    // The simulated device's memory is host memory: this is the producing kernel. Writing from
+    // the host is equivalent here because no stream holds queued work that writes this block
+    // unless the engine reused it too early, which is what the checks are for.
+    FillPattern(static_cast<uint8_t*>(storage->data()), nbytes, seed);
+    storage->holders = held ? 1 : 0;
+    items_.push_back(Item{storage, seed, stream, {}});
+    AddView(items_.back());
+  }
+
+  void AddView(Item& item) {
+    if (item.keepers.size() >= 4) return;
+    ViewInfo view;
+    view.sizes = {static_cast<int64_t>(item.storage->nbytes())};
+    view.strides = {1};
+    bool made = false;
+    const std::shared_ptr<FuzzStorage> storage = item.storage;
+    const std::optional<KeeperId> id = engine_->AddKeeper(
+        storage.get(),
+        [&] {
+          made = true;
+          return storage;
+        },
+        view, streams_[item.stream]);
+    // A storage of ours is always Spillway's and never empty, so it is always taken; the
+    // factory runs for the first view only (one entry per storage).
+    FUZZ_CHECK(id.has_value());
+    FUZZ_CHECK(made == item.keepers.empty());
+    item.keepers.push_back(*id);
+  }
+
+  void Acquire(FuzzedDataProvider& in) {
+    Item& item = items_[PickItem(in)];
+    const KeeperId id =
+        item.keepers[in.ConsumeIntegralInRange<size_t>(0, item.keepers.size() - 1)];
+    const StreamRef consumer = streams_[in.ConsumeIntegralInRange<int>(0, 1)];
+    void* ptr = nullptr;
+    try {
+      ptr = engine_->Acquire(id, consumer);
+    } catch (const OutOfMemoryError&) {
+      // Only when the device is full of memory nobody can give back; the bytes stay on the host.
+      const Residency r = engine_->DescribeKeeper(id)->residency;
+      FUZZ_CHECK(r == Residency::kSpilled || r == Residency::kSpilling);
+      return;
+    }
+    FUZZ_CHECK(ptr != nullptr && ptr == item.storage->data());
+    engine_->WaitResident(id);
+    FUZZ_CHECK(engine_->DescribeKeeper(id)->residency == Residency::kResident);
+    const size_t n = item.storage->nbytes();
+    expected_.resize(n);
+    FillPattern(expected_.data(), n, item.seed);
+    FUZZ_CHECK(std::memcmp(ptr, expected_.data(), n) == 0);
+  }
+
+  void RemoveKeeper(FuzzedDataProvider& in) {
+    const size_t i = PickItem(in);
+    Item& item = items_[i];
+    const size_t k = in.ConsumeIntegralInRange<size_t>(0, item.keepers.size() - 1);
+    engine_->RemoveKeeper(item.keepers[k]);
+    item.keepers.erase(item.keepers.begin() + static_cast<std::ptrdiff_t>(k));
+    // The saved tensor was the program's last reference too: the storage goes with the entry.
+    if (item.keepers.empty()) items_.erase(items_.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+
+  void AllocScratch(FuzzedDataProvider& in) {
+    const int log2 = in.ConsumeIntegralInRange<int>(0, 23);
+    const size_t size = (size_t{1} << log2) + in.ConsumeIntegralInRange<size_t>(0, (size_t{1} << log2) - 1);
+    const int stream = in.ConsumeIntegralInRange<int>(0, 1);
+    if (scratch_.size() >= kMaxScratch) return;
+    void* p = nullptr;
+    try {
+      p = allocator_->Malloc(size, 0, streams_[stream]);
+    } catch (const OutOfMemoryError&) {
+      return;
+    }
+    auto* ptr = static_cast<uint8_t*>(p);
+    const uint64_t id = next_seed_++;
+    ForEachMarkOffset(size, [&](size_t i) { ptr[i] = MarkByte(id, i); });
+    scratch_.push_back(Scratch{ptr, size, id});
+  }
+
+  void FreeScratch(size_t i) {
+    allocator_->Free(scratch_[i].ptr);
+    scratch_[i] = scratch_.back();
+    scratch_.pop_back();
+  }
+
+  void Check() {
+    const OffloadStats stats = engine_->stats();
+    FUZZ_CHECK(stats.num_entries == static_cast<int64_t>(items_.size()));
+    int64_t spilled = 0;
+    int64_t host = 0;
+    int64_t with_memory = 0;
+    for (const Item& item : items_) {
+      const std::optional<EntryInfo> info = engine_->Describe(item.storage.get());
+      FUZZ_CHECK(info.has_value());
+      FUZZ_CHECK(info->nbytes == item.storage->nbytes());
+      FUZZ_CHECK(info->keepers.size() == item.keepers.size());
+      const auto n = static_cast<int64_t>(info->nbytes);
+      const bool has_memory = item.storage->data() != nullptr;
+      switch (info->residency) {
+        case Residency::kResident:
+        case Residency::kReloading:
+          FUZZ_CHECK(has_memory);
+          break;
+        case Residency::kSpilling:
+        case Residency::kSpilled:
+          FUZZ_CHECK(!has_memory);
+          spilled += n;
+          break;
+        case Residency::kFailed:
+          FUZZ_CHECK(!"an entry failed although no fault was injected");
+      }
+      if (info->residency != Residency::kResident) host += n;
+      if (has_memory) ++with_memory;
+    }
+    FUZZ_CHECK(stats.spilled_bytes.current == spilled);
+    FUZZ_CHECK(stats.host_bytes.current == host);
+    FUZZ_CHECK(stats.host_reserved_bytes >= host);
+    FUZZ_CHECK(allocator_->stats(0).allocation.all().current ==
+               with_memory + static_cast<int64_t>(scratch_.size()));
+    for (const Scratch& s : scratch_) {
+      ForEachMarkOffset(s.size, [&](size_t i) { FUZZ_CHECK(s.ptr[i] == MarkByte(s.id, i)); });
+    }
+  }
+
+  std::shared_ptr<fuzz::GatedBackend> backend_;
+  std::unique_ptr<CachingAllocator> allocator_;
+  std::unique_ptr<OffloadEngine> engine_;
+  StreamRef streams_[2];
+  std::vector<Item> items_;
+  std::vector<Scratch> scratch_;
+  std::vector<uint8_t> expected_;
+  uint64_t next_seed_ = 1;
+};
+
+}  // namespace
+}  // namespace spillway
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  FuzzedDataProvider in(data, size);
+  const spillway::OffloadConfig config = spillway::ConsumeConfig(in);
+  spillway::Harness harness(config);
+  harness.Run(in);
+  return 0;
+}
