@@ -5,8 +5,8 @@
 #include <string>
 
 #include "allocator/config.h"
-#include "allocator/process_allocator.h"
 #include "allocator/errors.h"
+#include "allocator/process_allocator.h"
 
 namespace {
 
@@ -82,13 +82,14 @@ int spillway_get_stat(int device, const char* name, long long* value) {
   return Guard(
       [&] {
         if (name == nullptr || value == nullptr) {
-          throw spillway::InvalidArgumentError("spillway_get_stat: name and value must not be NULL");
+          throw spillway::InvalidArgumentError(
+              "spillway_get_stat: name and value must not be NULL");
         }
         const auto stats = Global().FlatStats(device);
         const auto it = stats.find(name);
         if (it == stats.end()) {
-          throw spillway::InvalidArgumentError(std::string("spillway_get_stat: unknown statistic '") +
-                                               name + "'");
+          throw spillway::InvalidArgumentError(
+              std::string("spillway_get_stat: unknown statistic '") + name + "'");
         }
         *value = it->second;
         return 0;
@@ -106,7 +107,8 @@ int spillway_split_config(const char* text, char* spillway_out, size_t spillway_
           throw spillway::InvalidArgumentError("spillway_split_config: arguments must not be NULL");
         }
         absl::StatusOr<spillway::SplitConfig> split = spillway::SplitPytorchConfig(text);
-        if (!split.ok()) throw spillway::InvalidArgumentError(std::string(split.status().message()));
+        if (!split.ok())
+          throw spillway::InvalidArgumentError(std::string(split.status().message()));
         if (split->spillway_only.size() >= spillway_capacity ||
             split->pytorch.size() >= pytorch_capacity) {
           return -2;

@@ -10,9 +10,12 @@ namespace spillway {
 
 std::string_view BlockStateName(BlockState state) {
   switch (state) {
-    case BlockState::kActiveAllocated: return "active_allocated";
-    case BlockState::kActivePendingFree: return "active_pending_free";
-    case BlockState::kInactive: return "inactive";
+    case BlockState::kActiveAllocated:
+      return "active_allocated";
+    case BlockState::kActivePendingFree:
+      return "active_pending_free";
+    case BlockState::kInactive:
+      return "inactive";
   }
   return "inactive";
 }
@@ -129,7 +132,9 @@ void CachingAllocator::SetMemoryFraction(double fraction, int device) {
   At(device).SetMemoryFraction(fraction);
 }
 
-void CachingAllocator::SetMemoryLimit(size_t bytes, int device) { At(device).SetMemoryLimit(bytes); }
+void CachingAllocator::SetMemoryLimit(size_t bytes, int device) {
+  At(device).SetMemoryLimit(bytes);
+}
 
 size_t CachingAllocator::memory_limit(int device) const { return At(device).memory_limit(); }
 
@@ -139,7 +144,9 @@ void CachingAllocator::ResetPeakStats(int device) { At(device).ResetPeakStats();
 
 void CachingAllocator::ResetAccumulatedStats(int device) { At(device).ResetAccumulatedStats(); }
 
-size_t CachingAllocator::LargestFreeBlock(int device) const { return At(device).LargestFreeBlock(); }
+size_t CachingAllocator::LargestFreeBlock(int device) const {
+  return At(device).LargestFreeBlock();
+}
 
 void CachingAllocator::ProcessEvents(int device) { At(device).ProcessEvents(); }
 

@@ -34,7 +34,8 @@ DeviceAllocator::~DeviceAllocator() {
       for (const Pending& p : queue) spare_events_.push_back(p.event);
     }
     pending_.clear();
-    for (const auto& [base, segment] : segments_) backend_.device_free(device_, reinterpret_cast<void*>(base));
+    for (const auto& [base, segment] : segments_)
+      backend_.device_free(device_, reinterpret_cast<void*>(base));
     for (EventHandle e : spare_events_) backend_.destroy_event(device_, e);
   } catch (const std::exception&) {
   }
@@ -43,7 +44,8 @@ DeviceAllocator::~DeviceAllocator() {
 size_t DeviceAllocator::ComputeLimit() const {
   size_t limit = memory_limit_bytes_;
   if (memory_fraction_ > 0.0) {
-    const auto from_fraction = static_cast<size_t>(memory_fraction_ * static_cast<double>(total_memory_));
+    const auto from_fraction =
+        static_cast<size_t>(memory_fraction_ * static_cast<double>(total_memory_));
     limit = limit == 0 ? from_fraction : std::min(limit, from_fraction);
   }
   return limit;
@@ -331,7 +333,8 @@ std::string DeviceAllocator::DescribeForeign(const void* ptr) const {
     if (address < b->ptr || address >= b->ptr + b->size) continue;
     if (address != b->ptr) {
       return absl::StrFormat("%p points %d bytes into the %s block at %#x on device %d", ptr,
-                             address - b->ptr, b->allocated ? "allocated" : "free", b->ptr, device_);
+                             address - b->ptr, b->allocated ? "allocated" : "free", b->ptr,
+                             device_);
     }
     return absl::StrFormat(
         "%p is a %s block on device %d (double free, or a pointer freed already)", ptr,
@@ -419,7 +422,7 @@ std::vector<SegmentSnapshot> DeviceAllocator::SnapshotSegments() const {
       bs.address = b->ptr;
       bs.size = b->size;
       bs.requested_size = b->allocated || b->event_count > 0 ? b->requested : 0;
-      bs.state = b->allocated           ? BlockState::kActiveAllocated
+      bs.state = b->allocated         ? BlockState::kActiveAllocated
                  : b->event_count > 0 ? BlockState::kActivePendingFree
                                       : BlockState::kInactive;
       bs.context = b->context;

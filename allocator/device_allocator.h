@@ -6,10 +6,10 @@
 
 #include <atomic>
 #include <cstddef>
-#include <limits>
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -128,7 +128,7 @@ class DeviceAllocator {
   HistoryRing history_;
   double memory_fraction_ = 0.0;
   size_t memory_limit_bytes_ = 0;
-  size_t limit_ = 0;  // effective: min of the two when set, 0 = none
+  size_t limit_ = 0;   // effective: min of the two when set, 0 = none
   int64_t clock_ = 0;  // counts segment allocations, ages free segments for GC
   std::atomic<size_t> watermark_{std::numeric_limits<size_t>::max()};
 };

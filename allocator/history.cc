@@ -7,13 +7,20 @@ namespace spillway {
 
 std::string_view TraceActionName(TraceAction action) {
   switch (action) {
-    case TraceAction::kAlloc: return "alloc";
-    case TraceAction::kFreeRequested: return "free_requested";
-    case TraceAction::kFreeCompleted: return "free_completed";
-    case TraceAction::kSegmentAlloc: return "segment_alloc";
-    case TraceAction::kSegmentFree: return "segment_free";
-    case TraceAction::kOom: return "oom";
-    case TraceAction::kSnapshot: return "snapshot";
+    case TraceAction::kAlloc:
+      return "alloc";
+    case TraceAction::kFreeRequested:
+      return "free_requested";
+    case TraceAction::kFreeCompleted:
+      return "free_completed";
+    case TraceAction::kSegmentAlloc:
+      return "segment_alloc";
+    case TraceAction::kSegmentFree:
+      return "segment_free";
+    case TraceAction::kOom:
+      return "oom";
+    case TraceAction::kSnapshot:
+      return "snapshot";
   }
   return "unknown";
 }

@@ -5,7 +5,9 @@
 namespace spillway {
 namespace {
 
-size_t RoundUp(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+size_t RoundUp(size_t value, size_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
 
 // Interval index used by roundup_power2_divisions: log2(size) - log2(1 MiB), clamped to [0, 15].
 size_t IntervalIndex(size_t size) {

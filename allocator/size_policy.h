@@ -9,12 +9,12 @@
 
 namespace spillway {
 
-inline constexpr size_t kMinBlockSize = 512;               // every size is a multiple of this
-inline constexpr size_t kSmallSize = size_t{1} << 20;      // largest small-pool request
-inline constexpr size_t kSmallBuffer = size_t{2} << 20;    // small-pool segment size
-inline constexpr size_t kLargeBuffer = size_t{20} << 20;   // segment for 1–10 MiB requests
-inline constexpr size_t kMinLargeAlloc = size_t{10} << 20; // from here a request gets its own
-inline constexpr size_t kRoundLarge = size_t{2} << 20;     // ... segment rounded to 2 MiB
+inline constexpr size_t kMinBlockSize = 512;                // every size is a multiple of this
+inline constexpr size_t kSmallSize = size_t{1} << 20;       // largest small-pool request
+inline constexpr size_t kSmallBuffer = size_t{2} << 20;     // small-pool segment size
+inline constexpr size_t kLargeBuffer = size_t{20} << 20;    // segment for 1–10 MiB requests
+inline constexpr size_t kMinLargeAlloc = size_t{10} << 20;  // from here a request gets its own
+inline constexpr size_t kRoundLarge = size_t{2} << 20;      // ... segment rounded to 2 MiB
 // Requests above this are rejected outright as absurd (no device has 2^50 bytes); it also keeps
 // every rounding computation far from overflow.
 inline constexpr size_t kMaxRequest = size_t{1} << 50;

@@ -38,7 +38,7 @@ struct SegmentSnapshot {
 };
 
 struct Snapshot {
-  std::vector<SegmentSnapshot> segments;            // by device, then address
+  std::vector<SegmentSnapshot> segments;               // by device, then address
   std::vector<std::vector<TraceEntry>> device_traces;  // one list per device, oldest first
 };
 

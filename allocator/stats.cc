@@ -8,9 +8,9 @@ namespace {
 
 template <typename Fn>
 void ForEachArray(DeviceStats& s, Fn fn) {
-  for (StatArray* a : {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
-                       &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes,
-                       &s.requested_bytes}) {
+  for (StatArray* a :
+       {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
+        &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes}) {
     for (Stat& stat : a->by_pool) fn(stat);
   }
 }

@@ -49,16 +49,16 @@ struct StatArray {
 };
 
 struct DeviceStats {
-  StatArray allocation;            // allocated blocks
-  StatArray segment;               // backend allocations
-  StatArray active;                // allocated or awaiting stream events
-  StatArray inactive_split;        // free blocks inside split segments
+  StatArray allocation;      // allocated blocks
+  StatArray segment;         // backend allocations
+  StatArray active;          // allocated or awaiting stream events
+  StatArray inactive_split;  // free blocks inside split segments
   StatArray allocated_bytes;
   StatArray reserved_bytes;
   StatArray active_bytes;
   StatArray inactive_split_bytes;
-  StatArray requested_bytes;       // bytes callers asked for, before rounding
-  int64_t num_alloc_retries = 0;   // backend allocation retried after releasing cache
+  StatArray requested_bytes;      // bytes callers asked for, before rounding
+  int64_t num_alloc_retries = 0;  // backend allocation retried after releasing cache
   int64_t num_ooms = 0;
   int64_t num_sync_all_streams = 0;
   int64_t num_device_alloc = 0;

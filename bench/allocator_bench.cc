@@ -14,9 +14,11 @@
 //    (lock contention). Time is per pair per thread.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <fstream>
 #include <memory>
 #include <random>
 #include <string>
@@ -152,6 +154,70 @@ void TwoThreads(benchmark::State& state, Kind kind, size_t size) {
   state.SetItemsProcessed(state.iterations());
 }
 
+// An allocation trace recorded from the training-step benchmark (bench/traces/*.trace, written
+// by train_step.py --trace): `a ID SIZE STREAM` allocates, `f ID` frees.
+struct TraceOp {
+  bool alloc;
+  size_t id;
+  size_t size;
+};
+
+std::vector<TraceOp> LoadTrace(const std::string& path) {
+  std::ifstream in(path);
+  std::vector<TraceOp> ops;
+  std::string kind;
+  while (in >> kind) {
+    TraceOp op{kind == "a", 0, 0};
+    in >> op.id;
+    if (op.alloc) {
+      uint64_t stream = 0;
+      in >> op.size >> stream;  // recorded stream ids are the recording process's: replay on one
+    }
+    ops.push_back(op);
+  }
+  return ops;
+}
+
+// Replays a recorded trace: time per operation, and fragmentation = 1 - peak allocated / peak
+// reserved (the comparable figure for PyTorch's native allocator comes from the GPU script).
+void TraceReplay(benchmark::State& state, Kind kind, const std::string& path) {
+  const std::vector<TraceOp> ops = LoadTrace(path);
+  if (ops.empty()) {
+    state.SkipWithError(("no operations in " + path).c_str());
+    return;
+  }
+  size_t max_id = 0;
+  for (const TraceOp& op : ops) max_id = std::max(max_id, op.id);
+  std::vector<void*> ptrs(max_id + 1, nullptr);
+  double fragmentation = 0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    CachingAllocator alloc(NewBackend(kind), AllocatorConfig{});
+    const StreamRef stream = alloc.backend().default_stream(0);
+    state.ResumeTiming();
+    for (const TraceOp& op : ops) {
+      if (op.alloc) {
+        ptrs[op.id] = alloc.Malloc(op.size, 0, stream);
+      } else {
+        alloc.Free(ptrs[op.id], 0);
+        ptrs[op.id] = nullptr;
+      }
+    }
+    state.PauseTiming();
+    const DeviceStats stats = alloc.stats(0);
+    fragmentation = 1.0 - static_cast<double>(stats.allocated_bytes.all().peak) /
+                              static_cast<double>(stats.reserved_bytes.all().peak);
+    for (void*& p : ptrs) {
+      if (p != nullptr) alloc.Free(p, 0);
+      p = nullptr;
+    }
+    state.ResumeTiming();
+  }
+  state.SetItemsProcessed(static_cast<int64_t>(state.iterations() * ops.size()));
+  state.counters["ops"] = static_cast<double>(ops.size());
+  state.counters["fragmentation"] = fragmentation;
+}
+
 void RegisterAll(Kind kind) {
   const std::string backend = KindName(kind);
   for (size_t size : {4 * kKiB, kMiB}) {
@@ -169,6 +235,12 @@ void RegisterAll(Kind kind) {
                                4 * kKiB)
       ->Threads(2)
       ->UseRealTime();
+  for (const char* name : {"tiny_lm_no_offload", "tiny_lm_eager"}) {
+    const std::string path = std::string(SPILLWAY_TRACE_DIR) + "/" + name + ".trace";
+    benchmark::RegisterBenchmark(("TraceReplay/" + backend + "/" + name).c_str(), TraceReplay, kind,
+                                 path)
+        ->Unit(benchmark::kMicrosecond);
+  }
 }
 
 }  // namespace

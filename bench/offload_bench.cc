@@ -72,8 +72,8 @@ void SpillReloadRoundTrip(benchmark::State& state) {
   for (auto _ : state) {
     // One training step's life of a saved activation: saved (and spilled at once: eager, nothing
     // else holds it), reloaded for backward, dropped.
-    const KeeperId id =
-        *rig.engine->AddKeeper(storage.get(), [&] { return storage; }, ViewInfo{}, rig.stream);
+    const KeeperId id = *rig.engine->AddKeeper(
+        storage.get(), [&] { return storage; }, ViewInfo{}, rig.stream);
     rig.engine->Acquire(id, rig.stream);
     rig.engine->WaitResident(id);
     rig.engine->RemoveKeeper(id);

@@ -77,9 +77,12 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("installed_mode", [] {
     switch (tl::Runtime::Get().mode()) {
-      case tl::Mode::kSim: return std::string("sim");
-      case tl::Mode::kCuda: return std::string("cuda");
-      case tl::Mode::kNone: break;
+      case tl::Mode::kSim:
+        return std::string("sim");
+      case tl::Mode::kCuda:
+        return std::string("cuda");
+      case tl::Mode::kNone:
+        break;
     }
     return std::string();
   });
@@ -118,7 +121,8 @@ PYBIND11_MODULE(_C, m) {
     d["prefetch_bytes"] = a->offload.prefetch_bytes;
     return d;
   });
-  m.def("budget_bytes", [](int device) { return tl::Runtime::Get().engine().budget_bytes(device); });
+  m.def("budget_bytes",
+        [](int device) { return tl::Runtime::Get().engine().budget_bytes(device); });
 
   py::class_<tl::SavedHandle, std::shared_ptr<tl::SavedHandle>>(m, "SavedHandle")
       .def_property_readonly("managed", &tl::SavedHandle::managed)
@@ -128,9 +132,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("pack", &tl::Pack);
   m.def("unpack", &tl::Unpack);
   m.def("forward_end", &tl::ForwardEnd);
-  m.def("count_skip", [](const std::string& reason) {
-    tl::Runtime::Get().engine().CountSkip(reason);
-  });
+  m.def("count_skip",
+        [](const std::string& reason) { tl::Runtime::Get().engine().CountSkip(reason); });
 
   m.def("memory_stats", &MemoryStats);
   m.def("reset_peak_stats", [](int device) {

@@ -44,8 +44,8 @@ TraceContext GatherPythonFrames() {
     PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
     const char* filename = PyUnicode_AsUTF8(code->co_filename);
     const char* name = PyUnicode_AsUTF8(code->co_name);
-    frames->push_back(Frame{filename ? filename : "?", PyFrame_GetLineNumber(frame),
-                            name ? name : "?"});
+    frames->push_back(
+        Frame{filename ? filename : "?", PyFrame_GetLineNumber(frame), name ? name : "?"});
     Py_DECREF(code);
     PyFrameObject* back = PyFrame_GetBack(frame);  // new reference
     Py_DECREF(frame);

@@ -32,11 +32,16 @@ bool OffloadEngine::InsideEngineOnThisThread() { return engine_depth > 0; }
 
 std::string_view ResidencyName(Residency residency) {
   switch (residency) {
-    case Residency::kResident: return "resident";
-    case Residency::kSpilling: return "spilling";
-    case Residency::kSpilled: return "spilled";
-    case Residency::kReloading: return "reloading";
-    case Residency::kFailed: return "failed";
+    case Residency::kResident:
+      return "resident";
+    case Residency::kSpilling:
+      return "spilling";
+    case Residency::kSpilled:
+      return "spilled";
+    case Residency::kReloading:
+      return "reloading";
+    case Residency::kFailed:
+      return "failed";
   }
   return "unknown";
 }
@@ -50,15 +55,15 @@ struct OffloadEngine::Entry {
   uint64_t seq = 0;
   Residency state = Residency::kResident;
   absl::flat_hash_map<KeeperId, ViewInfo> keepers;
-  void* host = nullptr;           // pinned copy while spilling, spilled or reloading
+  void* host = nullptr;             // pinned copy while spilling, spilled or reloading
   EventHandle copy_done = nullptr;  // the latest D2H or H2D copy of this entry
-  StreamRef block_stream;         // allocation stream of the current device block
-  bool acquired = false;          // handed to a consumer since its last spill
-  bool prefetched = false;        // reloaded ahead of use, not yet acquired
-  bool acquiring = false;         // inside Acquire: its own prefetch must not spill it
-  bool policy_refused = false;    // a spill was refused for a reason that will not change
-  int64_t stall_since_us = 0;     // consumer is waiting since then (0 = nobody waits)
-  std::string failure;            // why the bytes are lost (state kFailed)
+  StreamRef block_stream;           // allocation stream of the current device block
+  bool acquired = false;            // handed to a consumer since its last spill
+  bool prefetched = false;          // reloaded ahead of use, not yet acquired
+  bool acquiring = false;           // inside Acquire: its own prefetch must not spill it
+  bool policy_refused = false;      // a spill was refused for a reason that will not change
+  int64_t stall_since_us = 0;       // consumer is waiting since then (0 = nobody waits)
+  std::string failure;              // why the bytes are lost (state kFailed)
   int64_t spill_count = 0;
   int64_t reload_count = 0;
   int64_t last_spill_us = 0;
@@ -188,8 +193,8 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
 OffloadEngine::Entry& OffloadEngine::EntryOf(KeeperId id) const {
   auto it = keepers_.find(id);
   if (it == keepers_.end()) {
-    throw InvalidArgumentError(
-        absl::StrFormat("offload keeper %d is not registered (released already, or never added)", id));
+    throw InvalidArgumentError(absl::StrFormat(
+        "offload keeper %d is not registered (released already, or never added)", id));
   }
   return *it->second;
 }
@@ -250,7 +255,8 @@ void OffloadEngine::Refresh(Entry& e) {
     done = backend_.query_event(e.device, e.copy_done);
   } catch (const BackendError& error) {
     // The copy failed: the device copy is gone (spilling) or never arrived (reloading).
-    if (e.state == Residency::kSpilling) stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
+    if (e.state == Residency::kSpilling)
+      stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
     e.state = Residency::kFailed;
     e.failure = error.what();
     return;
@@ -316,10 +322,9 @@ void OffloadEngine::Reload(Entry& e, StreamRef consumer) {
   try {
     ptr = e.storage->allocate_device_memory(consumer);
   } catch (const OutOfMemoryError& oom) {
-    throw OutOfMemoryError(
-        absl::StrFormat("Spillway could not reload a saved storage of %s: %s",
-                        FormatBytes(e.nbytes), oom.what()),
-        oom.requested_bytes(), oom.device());
+    throw OutOfMemoryError(absl::StrFormat("Spillway could not reload a saved storage of %s: %s",
+                                           FormatBytes(e.nbytes), oom.what()),
+                           oom.requested_bytes(), oom.device());
   }
   try {
     // The block may have been used by earlier work on the consumer stream: the H2D copy must

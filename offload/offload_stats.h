@@ -11,12 +11,12 @@
 namespace spillway {
 
 // Why an entry was not spilled. Counted once per storage and reason.
-inline constexpr std::string_view kSkipSmall = "small";            // below offload_min_kb
-inline constexpr std::string_view kSkipNoPinned = "no_pinned";     // pinned memory unavailable
-inline constexpr std::string_view kSkipHostLimit = "host_limit";   // host_limit_mb reached
-inline constexpr std::string_view kSkipForeign = "not_spillway";   // not allocated by Spillway
-inline constexpr std::string_view kSkipEmpty = "empty";            // zero-byte storage
-inline constexpr std::string_view kSkipCopyError = "copy_error";   // a copy could not be enqueued
+inline constexpr std::string_view kSkipSmall = "small";           // below offload_min_kb
+inline constexpr std::string_view kSkipNoPinned = "no_pinned";    // pinned memory unavailable
+inline constexpr std::string_view kSkipHostLimit = "host_limit";  // host_limit_mb reached
+inline constexpr std::string_view kSkipForeign = "not_spillway";  // not allocated by Spillway
+inline constexpr std::string_view kSkipEmpty = "empty";           // zero-byte storage
+inline constexpr std::string_view kSkipCopyError = "copy_error";  // a copy could not be enqueued
 
 struct OffloadStats {
   Stat spilled_bytes;  // entries spilling or spilled

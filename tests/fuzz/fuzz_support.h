@@ -2,8 +2,10 @@
 // crash libFuzzer records, and a simulated device whose streams an input can hold busy.
 #pragma once
 
+#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -16,6 +18,18 @@ namespace spillway::fuzz {
   std::fprintf(stderr, "%s:%d: invariant violated: %s\n", file, line, what);
   std::fflush(stderr);
   __builtin_trap();
+}
+
+// With SPILLWAY_FUZZ_TRACE set, prints each operation to stderr: run a crash input that way to
+// see the program that led to it.
+__attribute__((format(printf, 1, 2))) inline void Trace(const char* format, ...) {
+  static const bool enabled = std::getenv("SPILLWAY_FUZZ_TRACE") != nullptr;
+  if (!enabled) return;
+  va_list args;
+  va_start(args, format);
+  std::vfprintf(stderr, format, args);
+  va_end(args);
+  std::fputc('\n', stderr);
 }
 
 // Not CHECK: Abseil's logging library defines one.

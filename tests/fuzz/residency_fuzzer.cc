@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "allocator/caching_allocator.h"
@@ -201,33 +202,51 @@ class Harness {
         if (!items_.empty()) AddView(items_[PickItem(in)]);
         break;
       case kSetHolders:
-        if (!items_.empty()) items_[PickItem(in)].storage->holders = in.ConsumeBool() ? 1 : 0;
+        if (!items_.empty()) {
+          Item& item = items_[PickItem(in)];
+          item.storage->holders = in.ConsumeBool() ? 1 : 0;
+          fuzz::Trace("SetHolders item %llu -> %lld", static_cast<unsigned long long>(item.seed),
+                      static_cast<long long>(item.storage->holders.load()));
+        }
         break;
       case kRunPolicy:
+        fuzz::Trace("RunPolicy");
         engine_->RunPolicy();
         break;
       case kForwardEnd:
+        fuzz::Trace("ForwardEnd");
         engine_->ForwardEnd();
         break;
-      case kBackwardStart:
-        engine_->BackwardStart(streams_[in.ConsumeIntegralInRange<int>(0, 1)]);
+      case kBackwardStart: {
+        const int stream = in.ConsumeIntegralInRange<int>(0, 1);
+        fuzz::Trace("BackwardStart stream %d", stream);
+        engine_->BackwardStart(streams_[stream]);
         break;
+      }
       case kAcquire:
         if (!items_.empty()) Acquire(in);
         break;
       case kRemoveKeeper:
         if (!items_.empty()) RemoveKeeper(in);
         break;
-      case kReleaseMemory:
-        engine_->ReleaseMemory(0, in.ConsumeIntegralInRange<size_t>(0, 8 * kMiB));
+      case kReleaseMemory: {
+        const size_t bytes = in.ConsumeIntegralInRange<size_t>(0, 8 * kMiB);
+        fuzz::Trace("ReleaseMemory %zu", bytes);
+        engine_->ReleaseMemory(0, bytes);
         break;
+      }
       case kSynchronize:
+        fuzz::Trace("Synchronize");
         engine_->Synchronize();
         break;
-      case kHold:
-        backend_->Hold(streams_[in.ConsumeIntegralInRange<int>(0, 1)]);
+      case kHold: {
+        const int stream = in.ConsumeIntegralInRange<int>(0, 1);
+        fuzz::Trace("Hold stream %d", stream);
+        backend_->Hold(streams_[stream]);
         break;
+      }
       case kRelease:
+        fuzz::Trace("Release");
         backend_->ReleaseAll();
         break;
       case kScratchAlloc:
@@ -239,6 +258,7 @@ class Harness {
         }
         break;
       case kSetConfig:
+        fuzz::Trace("SetConfig");
         engine_->SetConfig(ConsumeConfig(in));
         break;
     }
@@ -268,6 +288,8 @@ class Harness {
     // the host is equivalent here because no stream holds queued work that writes this block
     // unless the engine reused it too early, which is what the checks are for.
     FillPattern(static_cast<uint8_t*>(storage->data()), nbytes, seed);
+    fuzz::Trace("New item %llu: %zu bytes at %p on stream %d, holders %d",
+                static_cast<unsigned long long>(seed), nbytes, storage->data(), stream, held);
     storage->holders = held ? 1 : 0;
     items_.push_back(Item{storage, seed, stream, {}});
     AddView(items_.back());
@@ -299,6 +321,10 @@ class Harness {
     const KeeperId id =
         item.keepers[in.ConsumeIntegralInRange<size_t>(0, item.keepers.size() - 1)];
     const StreamRef consumer = streams_[in.ConsumeIntegralInRange<int>(0, 1)];
+    fuzz::Trace("Acquire item %llu keeper %llu on stream %llu (%s)",
+                static_cast<unsigned long long>(item.seed), static_cast<unsigned long long>(id),
+                static_cast<unsigned long long>(consumer.id),
+                std::string(ResidencyName(engine_->DescribeKeeper(id)->residency)).c_str());
     void* ptr = nullptr;
     try {
       ptr = engine_->Acquire(id, consumer);
@@ -321,6 +347,11 @@ class Harness {
     const size_t i = PickItem(in);
     Item& item = items_[i];
     const size_t k = in.ConsumeIntegralInRange<size_t>(0, item.keepers.size() - 1);
+    fuzz::Trace("RemoveKeeper item %llu keeper %llu (%s, %zu keepers)",
+                static_cast<unsigned long long>(item.seed),
+                static_cast<unsigned long long>(item.keepers[k]),
+                std::string(ResidencyName(engine_->DescribeKeeper(item.keepers[k])->residency)).c_str(),
+                item.keepers.size());
     engine_->RemoveKeeper(item.keepers[k]);
     item.keepers.erase(item.keepers.begin() + static_cast<std::ptrdiff_t>(k));
     // The saved tensor was the program's last reference too: the storage goes with the entry.
@@ -341,10 +372,13 @@ class Harness {
     auto* ptr = static_cast<uint8_t*>(p);
     const uint64_t id = next_seed_++;
     ForEachMarkOffset(size, [&](size_t i) { ptr[i] = MarkByte(id, i); });
+    fuzz::Trace("Scratch %llu: %zu bytes at %p on stream %d", static_cast<unsigned long long>(id),
+                size, p, stream);
     scratch_.push_back(Scratch{ptr, size, id});
   }
 
   void FreeScratch(size_t i) {
+    fuzz::Trace("FreeScratch %llu", static_cast<unsigned long long>(scratch_[i].id));
     allocator_->Free(scratch_[i].ptr);
     scratch_[i] = scratch_.back();
     scratch_.pop_back();

@@ -105,7 +105,8 @@ class OffloadEngineTest : public ::testing::Test {
     view.sizes = {static_cast<int64_t>(s->nbytes() / 4)};
     view.strides = {1};
     view.element_size = 4;
-    auto id = engine_->AddKeeper(s.get(), [&] { return s; }, view, compute_);
+    auto id = engine_->AddKeeper(
+        s.get(), [&] { return s; }, view, compute_);
     EXPECT_TRUE(id.has_value());
     return id.value_or(0);
   }

@@ -177,7 +177,7 @@ TEST_F(OffloadPolicyTest, OffloadPrefetchRescueNeverSpillsTheEntryBeingAcquired)
   older->holders = 0;
   engine_->ForwardEnd();  // spills `older`; `newer` is still held by the program
   engine_->Synchronize();
-  newer->holders = 0;     // now only its saved view keeps it, and it is resident
+  newer->holders = 0;  // now only its saved view keeps it, and it is resident
   storages_.clear();
   void* filler = allocator_->Malloc(24 * kMiB, 0, compute_);  // no room to prefetch `older`
   void* ptr = engine_->Acquire(id, compute_);

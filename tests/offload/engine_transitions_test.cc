@@ -143,10 +143,16 @@ TEST_F(OffloadTransitions, ForeignAndEmptyStoragesAreSkippedWithAReason) {
     int local_ = 0;
   };
   auto foreign = std::make_shared<Foreign>(*allocator_, 4096, compute_);
-  EXPECT_FALSE(engine_->AddKeeper(foreign.get(), [&] { return foreign; }, ViewInfo{}, compute_).has_value());
+  EXPECT_FALSE(engine_
+                   ->AddKeeper(
+                       foreign.get(), [&] { return foreign; }, ViewInfo{}, compute_)
+                   .has_value());
   EXPECT_EQ(EngineStat("skipped.not_spillway"), 1);
   auto empty = std::make_shared<TestStorage>(*allocator_, 0, compute_);
-  EXPECT_FALSE(engine_->AddKeeper(empty.get(), [&] { return empty; }, ViewInfo{}, compute_).has_value());
+  EXPECT_FALSE(engine_
+                   ->AddKeeper(
+                       empty.get(), [&] { return empty; }, ViewInfo{}, compute_)
+                   .has_value());
   EXPECT_EQ(EngineStat("skipped.empty"), 1);
   EXPECT_EQ(EngineStat("num_entries"), 0);
 }

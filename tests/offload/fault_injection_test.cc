@@ -1,0 +1,298 @@
+// Faults injected through the simulated device, one per test: each must surface as a clear error
+// at the call it belongs to, corrupt nothing, leak nothing, and leave the engine serving every
+// other entry. Streams are held with gates where the order of a copy and a check would otherwise
+// be a race, so every outcome here is deterministic.
+#include <cstring>
+#include <string>
+
+#include "allocator/errors.h"
+#include "allocator/format.h"
+#include "tests/offload/engine_fixture.h"
+
+namespace spillway::testing {
+namespace {
+
+::testing::AssertionResult Contains(const std::string& text, const std::string& part) {
+  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "\"" << text << "\" does not contain \"" << part << "\"";
+}
+
+class OffloadFaultInjection : public OffloadEngineTest {
+ protected:
+  std::vector<uint8_t> Read(const std::shared_ptr<TestStorage>& s) {
+    return ReadOn(compute_, s->data(), s->nbytes());
+  }
+
+  // Acquires on the compute stream and reads the bytes back there, as a kernel would.
+  std::vector<uint8_t> AcquireAndRead(KeeperId id, size_t nbytes) {
+    void* ptr = engine_->Acquire(id, compute_);
+    return ReadOn(compute_, ptr, nbytes);
+  }
+
+  // Drops every keeper and storage, then checks that neither device nor pinned memory is left.
+  void DropAllAndExpectNoLeaks(const std::vector<KeeperId>& ids) {
+    for (const KeeperId id : ids) engine_->RemoveKeeper(id);
+    storages_.clear();
+    engine_->Synchronize();
+    backend_->synchronize_stream(0, compute_.handle);
+    allocator_->ProcessEvents(0);
+    EXPECT_EQ(EngineStat("num_entries"), 0);
+    EXPECT_EQ(AllocStat("allocated_bytes.all.current"), 0);
+    EXPECT_EQ(EngineStat("host_bytes.current"), 0);
+    EXPECT_EQ(EngineStat("spilled_bytes.current"), 0);
+  }
+};
+
+// The device refuses memory for a reload. The device is full, so the allocator has to go to the
+// backend, and its out-of-memory ladder makes three attempts: the first two fail for want of
+// room, and the third (after the ladder handed a cached side-stream segment back to the device)
+// would succeed but for the injected failure. Acquire must report an out-of-memory error naming
+// the storage, leave the entry spilled with its host copy, and succeed once memory is there.
+TEST_F(OffloadFaultInjection, OffloadDeviceMallocFailureDuringReload) {
+  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  const StreamRef side = backend_->create_stream(0);
+  std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 1);  // >= 10 MiB: its own segment
+  std::shared_ptr<TestStorage> b = NewStorage(16 * kMiB, 2);  // held by the program throughout
+  const KeeperId ida = Save(a);
+  const KeeperId idb = Save(b);
+  a->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(a), Residency::kSpilled);
+  ASSERT_EQ(StateOf(b), Residency::kResident);
+
+  // Fill the device: a's old segment goes back, a 36 MiB block stays live on the compute stream,
+  // and 12 MiB sit cached on a side stream, which a compute-stream request cannot use.
+  allocator_->EmptyCache();
+  void* filler = allocator_->Malloc(36 * kMiB, 0, compute_);
+  allocator_->Free(allocator_->Malloc(12 * kMiB, 0, side));
+  ASSERT_EQ(backend_->bytes_in_use(0), 64 * kMiB);
+
+  const int64_t failed_before = backend_->num_failed_device_mallocs();
+  backend_->fail_device_malloc_after(3);
+  try {
+    engine_->Acquire(ida, compute_);
+    ADD_FAILURE() << "Acquire succeeded although the device refused the reload's memory";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_TRUE(Contains(e.what(), "could not reload a saved storage of " + FormatBytes(12 * kMiB)));
+    EXPECT_EQ(e.requested_bytes(), 12 * kMiB);
+    EXPECT_EQ(e.device(), 0);
+  }
+  backend_->fail_device_malloc_after(-1);
+  // Two refusals for want of room, then the injected one: the fault is what failed the reload.
+  EXPECT_EQ(backend_->num_failed_device_mallocs() - failed_before, 3);
+  EXPECT_EQ(AllocStat("num_ooms"), 1);
+
+  // Nothing half-done: still spilled with its host copy, no device block kept, no reload counted.
+  EXPECT_EQ(StateOf(a), Residency::kSpilled);
+  EXPECT_EQ(a->data(), nullptr);
+  EXPECT_EQ(EngineStat("spilled_bytes.current"), static_cast<int64_t>(12 * kMiB));
+  EXPECT_EQ(EngineStat("host_bytes.current"), static_cast<int64_t>(12 * kMiB));
+  EXPECT_EQ(EngineStat("num_reloads"), 0);
+  EXPECT_EQ(AllocStat("allocated_bytes.all.current"), static_cast<int64_t>(52 * kMiB));
+
+  // The other entry is served as before.
+  EXPECT_EQ(AcquireAndRead(idb, 16 * kMiB), Pattern(16 * kMiB, 2));
+  // The ladder gave the side segment back, so there is room now: the same Acquire succeeds.
+  EXPECT_EQ(AcquireAndRead(ida, 12 * kMiB), Pattern(12 * kMiB, 1));
+  EXPECT_EQ(StateOf(a), Residency::kResident);
+  EXPECT_EQ(EngineStat("num_reloads"), 1);
+
+  allocator_->Free(filler);
+  a.reset();
+  b.reset();
+  DropAllAndExpectNoLeaks({ida, idb});
+}
+
+// Pinned memory cannot be had when a spill needs it: the spill is skipped for that reason, the
+// entry stays resident with its bytes, and once pinned memory is back both it and new entries
+// spill and reload normally.
+TEST_F(OffloadFaultInjection, OffloadPinnedAllocationFailureDuringSpill) {
+  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(4 * kMiB, 7);
+  const KeeperId ida = Save(a);
+  a->holders = 0;
+  // Enough failures for every attempt the pinned pool makes (a whole chunk, then the exact size).
+  backend_->fail_host_malloc(1000);
+  engine_->ForwardEnd();
+  backend_->fail_host_malloc(0);
+
+  EXPECT_EQ(EngineStat("skipped.no_pinned"), 1);
+  EXPECT_EQ(StateOf(a), Residency::kResident);
+  EXPECT_EQ(Read(a), Pattern(4 * kMiB, 7));
+  EXPECT_EQ(EngineStat("num_spills"), 0);
+  EXPECT_EQ(EngineStat("host_bytes.current"), 0);
+  EXPECT_EQ(EngineStat("spilled_bytes.current"), 0);
+  EXPECT_EQ(engine_->stats().host_reserved_bytes, 0);
+  EXPECT_EQ(AllocStat("allocated_bytes.all.current"), static_cast<int64_t>(4 * kMiB));
+
+  // A new entry spills and comes back intact.
+  std::shared_ptr<TestStorage> b = NewStorage(2 * kMiB, 8);
+  const KeeperId idb = Save(b);
+  b->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(b), Residency::kSpilled);
+  EXPECT_EQ(AcquireAndRead(idb, 2 * kMiB), Pattern(2 * kMiB, 8));
+
+  // Eager does not retry a refused entry by itself, but the out-of-memory rescue still can.
+  EXPECT_GT(engine_->ReleaseMemory(0, 4 * kMiB), 0u);
+  EXPECT_EQ(StateOf(a), Residency::kSpilled);
+  EXPECT_EQ(AcquireAndRead(ida, 4 * kMiB), Pattern(4 * kMiB, 7));
+
+  a.reset();
+  b.reset();
+  DropAllAndExpectNoLeaks({ida, idb});
+}
+
+// A device-to-host copy fails on the copy stream. The copy runs only after the spill has been
+// enqueued completely (the producer stream is held until then), so the failure is found by the
+// engine's wait in Synchronize. The entry's bytes are lost: it must become failed, and Acquire
+// must say so rather than reload whatever the host buffer held. Every other entry is unaffected.
+TEST_F(OffloadFaultInjection, OffloadFailedSpillCopy) {
+  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 11);
+  std::shared_ptr<TestStorage> b = NewStorage(2 * kMiB, 12);
+  std::shared_ptr<TestStorage> c = NewStorage(2 * kMiB, 13);
+  const KeeperId ida = Save(a);
+  const KeeperId idb = Save(b);
+  const KeeperId idc = Save(c);
+  b->holders = 0;  // spills cleanly, before any fault
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(b), Residency::kSpilled);
+
+  a->holders = 0;
+  {
+    auto hold = backend_->hold_stream(0, compute_.handle);
+    backend_->fail_copy_after(1);  // a's device-to-host copy
+    engine_->ForwardEnd();
+    ASSERT_EQ(StateOf(a), Residency::kSpilling);
+  }
+  EXPECT_NO_THROW(engine_->Synchronize()) << "the failure belongs to a's entry, not to the caller";
+  backend_->fail_copy_after(-1);
+  EXPECT_EQ(StateOf(a), Residency::kFailed);
+
+  for (int attempt = 0; attempt < 2; ++attempt) {  // the error is the entry's, every time asked
+    try {
+      engine_->Acquire(ida, compute_);
+      ADD_FAILURE() << "Acquire of an entry whose copy failed returned a pointer";
+    } catch (const OutOfMemoryError& e) {
+      ADD_FAILURE() << "a failed copy reported as out of memory: " << e.what();
+    } catch (const Error& e) {
+      EXPECT_TRUE(Contains(e.what(), "could not be brought back"));
+      EXPECT_TRUE(Contains(e.what(), "injected copy failure"));
+    }
+  }
+  EXPECT_EQ(a->data(), nullptr);
+  EXPECT_EQ(EngineStat("spilled_bytes.current"), static_cast<int64_t>(2 * kMiB));  // b only
+
+  // The entry spilled before the fault, the one never spilled, and a spill after it are intact.
+  EXPECT_EQ(AcquireAndRead(idb, 2 * kMiB), Pattern(2 * kMiB, 12));
+  EXPECT_EQ(Read(c), Pattern(2 * kMiB, 13));
+  c->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(c), Residency::kSpilled);
+  EXPECT_EQ(AcquireAndRead(idc, 2 * kMiB), Pattern(2 * kMiB, 13));
+
+  a.reset();
+  b.reset();
+  c.reset();
+  DropAllAndExpectNoLeaks({ida, idb, idc});
+}
+
+// An event call fails while a spill is being enqueued. A first spill makes three: it creates the
+// event marking the producer's work, records it, and records the copy-done event after the copy
+// was enqueued (the copy-done event reuses the first). Whichever fails, the spill is abandoned
+// with its reason counted and the entry stays resident with its bytes; afterwards the entry and
+// the engine work normally.
+TEST_F(OffloadFaultInjection, OffloadFailedEventDuringSpill) {
+  for (int n = 1; n <= 3; ++n) {
+    SCOPED_TRACE(::testing::Message() << "event call " << n << " of the spill fails");
+    Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+    std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 30 + n);
+    const KeeperId ida = Save(a);
+    a->holders = 0;
+    backend_->fail_event_after(n);
+    engine_->ForwardEnd();
+    backend_->fail_event_after(-1);
+
+    EXPECT_EQ(EngineStat("skipped.copy_error"), 1);
+    EXPECT_EQ(StateOf(a), Residency::kResident);
+    EXPECT_NE(a->data(), nullptr);
+    EXPECT_EQ(Read(a), Pattern(2 * kMiB, 30 + n));
+    EXPECT_EQ(EngineStat("num_spills"), 0);
+    EXPECT_EQ(EngineStat("host_bytes.current"), 0);
+    EXPECT_EQ(EngineStat("spilled_bytes.current"), 0);
+    EXPECT_EQ(AllocStat("allocated_bytes.all.current"), static_cast<int64_t>(2 * kMiB));
+    // Only the last failure point comes after the copy was enqueued; the copy then ran, reading
+    // the still-resident block into a host buffer the pool reuses only after it.
+    engine_->Synchronize();
+    EXPECT_EQ(backend_->bytes_copied(CopyKind::kDeviceToHost), n == 3 ? 2 * kMiB : 0u);
+
+    // The rescue spills it now, and it comes back intact; so does a new entry.
+    EXPECT_GT(engine_->ReleaseMemory(0, 2 * kMiB), 0u);
+    EXPECT_EQ(StateOf(a), Residency::kSpilled);
+    EXPECT_EQ(AcquireAndRead(ida, 2 * kMiB), Pattern(2 * kMiB, 30 + n));
+    std::shared_ptr<TestStorage> b = NewStorage(kMiB, 40 + n);
+    const KeeperId idb = Save(b);
+    b->holders = 0;
+    engine_->ForwardEnd();
+    engine_->Synchronize();
+    EXPECT_EQ(StateOf(b), Residency::kSpilled);
+    EXPECT_EQ(AcquireAndRead(idb, kMiB), Pattern(kMiB, 40 + n));
+
+    a.reset();
+    b.reset();
+    DropAllAndExpectNoLeaks({ida, idb});
+  }
+}
+
+// An event call fails while a reload is being enqueued: it creates the event marking the
+// consumer's use of the new block, records it, and records the copy-done event after the
+// host-to-device copy was enqueued. Acquire reports the backend error and the entry stays
+// spilled. When the copy was already enqueued, the block it writes must not be handed out
+// again before the copy ran: the consumer stream is held so that the copy provably runs after
+// the next allocation on that stream was made and written.
+TEST_F(OffloadFaultInjection, OffloadFailedEventDuringReload) {
+  for (int n = 1; n <= 3; ++n) {
+    SCOPED_TRACE(::testing::Message() << "event call " << n << " of the reload fails");
+    Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+    std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 50 + n);
+    const KeeperId ida = Save(a);
+    a->holders = 0;
+    engine_->ForwardEnd();
+    engine_->Synchronize();
+    ASSERT_EQ(StateOf(a), Residency::kSpilled);
+
+    std::vector<uint8_t> next_bytes;
+    {
+      auto hold = backend_->hold_stream(0, compute_.handle);
+      backend_->fail_event_after(n);
+      EXPECT_THROW(engine_->Acquire(ida, compute_), BackendError);
+      backend_->fail_event_after(-1);
+      EXPECT_EQ(StateOf(a), Residency::kSpilled);
+      EXPECT_EQ(a->data(), nullptr);
+      EXPECT_EQ(EngineStat("num_reloads"), 0);
+      EXPECT_EQ(AllocStat("allocated_bytes.all.current"), 0);
+      // The program's next allocation of that size on the stream: written while the engine's
+      // queued copy (if any) cannot have run yet.
+      void* next = allocator_->Malloc(2 * kMiB, 0, compute_);
+      std::memset(next, 0x5A, 2 * kMiB);
+      hold->Open();
+      engine_->Synchronize();
+      next_bytes.assign(static_cast<uint8_t*>(next), static_cast<uint8_t*>(next) + 2 * kMiB);
+      allocator_->Free(next);
+    }
+    EXPECT_EQ(next_bytes, std::vector<uint8_t>(2 * kMiB, 0x5A))
+        << "a copy queued by the failed reload wrote into a block handed out again";
+
+    EXPECT_EQ(AcquireAndRead(ida, 2 * kMiB), Pattern(2 * kMiB, 50 + n));
+    a.reset();
+    DropAllAndExpectNoLeaks({ida});
+  }
+}
+
+}  // namespace
+}  // namespace spillway::testing
