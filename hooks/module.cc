@@ -8,6 +8,7 @@
 #include "allocator/config.h"
 #include "allocator/errors.h"
 #include "allocator/process_allocator.h"
+#include "allocator/sim_backend.h"
 #include "hooks/runtime.h"
 #include "hooks/saved_tensors.h"
 #include "hooks/snapshot.h"
@@ -151,5 +152,26 @@ PYBIND11_MODULE(_C, m) {
   m.def("release", &tl::Release);
   m.def("residency", &tl::ResidencyOf);
   m.def("snapshot", &tl::Snapshot);
+  m.def("set_memory_fraction", [](double fraction, int device) {
+    tl::Runtime::Get().allocator().SetMemoryFraction(fraction, device);
+  });
+  // Testing only: arms one of the simulated device's fault-injection knobs ("device_malloc",
+  // "host_malloc", "copy", "event"; see sim_backend.h).
+  m.def("sim_inject_fault", [](const std::string& kind, int64_t n) {
+    auto* sim = dynamic_cast<sw::SimBackend*>(&tl::Runtime::Get().allocator().backend());
+    if (sim == nullptr) throw sw::InvalidArgumentError("sim_inject_fault: not on the simulated device");
+    if (kind == "device_malloc") {
+      sim->fail_device_malloc_after(n);
+    } else if (kind == "host_malloc") {
+      sim->fail_host_malloc(n);
+    } else if (kind == "copy") {
+      sim->fail_copy_after(n);
+    } else if (kind == "event") {
+      sim->fail_event_after(n);
+    } else {
+      throw sw::InvalidArgumentError("sim_inject_fault: unknown fault '" + kind +
+                                     "': expected device_malloc, host_malloc, copy or event");
+    }
+  });
   m.def("record_history", &tl::RecordHistory);
 }

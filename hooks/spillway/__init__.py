@@ -24,6 +24,7 @@ from ._api import (
     release,
     reset_peak_stats,
     residency,
+    set_per_process_memory_fraction,
     snapshot,
     synchronize,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "release",
     "reset_peak_stats",
     "residency",
+    "set_per_process_memory_fraction",
     "snapshot",
     "synchronize",
 ]

@@ -139,6 +139,15 @@ def empty_cache():
     _C.empty_cache()
 
 
+def set_per_process_memory_fraction(fraction, device=0):
+    """Limits Spillway's reserved memory on `device` to this fraction of the device's total (like
+    torch.cuda.set_per_process_memory_fraction); 0 removes the limit."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
+    _require_installed("set_per_process_memory_fraction")
+    _C.set_memory_fraction(float(fraction), _device_index(device))
+
+
 def synchronize():
     """Waits for every offload copy in flight."""
     _require_installed("synchronize")
