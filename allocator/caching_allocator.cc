@@ -61,7 +61,14 @@ void* CachingAllocator::Malloc(size_t size, int device, StreamRef stream) {
         size, FormatBytes(size), device, kMaxRequest, FormatBytes(kMaxRequest)));
   }
   bool over_watermark = false;
-  void* ptr = allocator.Malloc(size, stream, GatherContext(), &over_watermark);
+  void* ptr = nullptr;
+  try {
+    ptr = allocator.Malloc(size, stream, GatherContext(), &over_watermark);
+  } catch (...) {
+    if (allocator.has_stream_errors()) DispatchStreamErrors(allocator);
+    throw;
+  }
+  if (allocator.has_stream_errors()) DispatchStreamErrors(allocator);
   if (over_watermark) {
     PressureHandler handler;
     {
@@ -125,7 +132,26 @@ std::optional<AllocationInfo> CachingAllocator::Lookup(const void* ptr) const {
 }
 
 void CachingAllocator::EmptyCache() {
-  for (const auto& device : devices_) device->EmptyCache();
+  for (const auto& device : devices_) {
+    device->EmptyCache();
+    if (device->has_stream_errors()) DispatchStreamErrors(*device);
+  }
+}
+
+void CachingAllocator::SetStreamErrorObserver(StreamErrorObserver observer) {
+  std::lock_guard lock(observer_mutex_);
+  stream_error_observer_ = std::move(observer);
+}
+
+void CachingAllocator::DispatchStreamErrors(DeviceAllocator& device) {
+  const std::vector<StreamError> errors = device.TakeStreamErrors();
+  StreamErrorObserver observer;
+  {
+    std::lock_guard lock(observer_mutex_);
+    observer = stream_error_observer_;
+  }
+  if (!observer) return;
+  for (const StreamError& error : errors) observer(error);
 }
 
 void CachingAllocator::SetMemoryFraction(double fraction, int device) {
@@ -148,7 +174,11 @@ size_t CachingAllocator::LargestFreeBlock(int device) const {
   return At(device).LargestFreeBlock();
 }
 
-void CachingAllocator::ProcessEvents(int device) { At(device).ProcessEvents(); }
+void CachingAllocator::ProcessEvents(int device) {
+  DeviceAllocator& allocator = At(device);
+  allocator.ProcessEvents();
+  if (allocator.has_stream_errors()) DispatchStreamErrors(allocator);
+}
 
 void CachingAllocator::RecordHistory(bool enabled, size_t max_entries, ContextGatherer gatherer) {
   {

@@ -67,6 +67,11 @@ class CachingAllocator {
   void SetPressureHandler(PressureHandler handler);
   void SetWatermark(int device, size_t bytes);
 
+  // Told of StreamErrors (failed asynchronous work found while processing stream uses), outside
+  // every allocator lock. The offload engine uses it to fail the copies it had in flight.
+  using StreamErrorObserver = std::function<void(const StreamError&)>;
+  void SetStreamErrorObserver(StreamErrorObserver observer);
+
   // Out-of-memory ladder step: see FreeMemoryCallback. Returns an id for removal.
   uint64_t AddFreeMemoryCallback(FreeMemoryCallback callback);
   void RemoveFreeMemoryCallback(uint64_t id);
@@ -88,6 +93,10 @@ class CachingAllocator {
   std::atomic<bool> recording_{false};
   mutable std::mutex gatherer_mutex_;
   ContextGatherer gatherer_;
+
+  void DispatchStreamErrors(DeviceAllocator& device);
+  mutable std::mutex observer_mutex_;
+  StreamErrorObserver stream_error_observer_;
 
   mutable std::mutex pressure_mutex_;
   PressureHandler pressure_handler_;

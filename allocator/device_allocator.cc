@@ -459,7 +459,7 @@ void DeviceAllocator::ProcessEventsLocked() {
   // One FIFO per stream, so a long-running stream does not hold up blocks used by others.
   for (auto it = pending_.begin(); it != pending_.end();) {
     std::deque<Pending>& queue = it->second;
-    while (!queue.empty() && backend_.query_event(device_, queue.front().event)) {
+    while (!queue.empty() && UseIsOver(it->first, queue.front().event, false)) {
       const Pending done = queue.front();
       queue.pop_front();
       spare_events_.push_back(done.event);
@@ -478,13 +478,33 @@ void DeviceAllocator::SynchronizeAllEvents() {
   for (auto& [stream, queue] : pending_) {
     while (!queue.empty()) {
       const Pending done = queue.front();
-      backend_.synchronize_event(device_, done.event);
+      UseIsOver(stream, done.event, true);
       queue.pop_front();
       spare_events_.push_back(done.event);
       if (--done.block->event_count == 0) FreeBlock(done.block);
     }
   }
   pending_.clear();
+}
+
+bool DeviceAllocator::UseIsOver(uint64_t stream, EventHandle event, bool wait) {
+  try {
+    if (wait) {
+      backend_.synchronize_event(device_, event);
+      return true;
+    }
+    return backend_.query_event(device_, event);
+  } catch (const BackendError& error) {
+    stream_errors_.push_back(StreamError{device_, stream, error.what()});
+    has_stream_errors_.store(true, std::memory_order_relaxed);
+    return true;
+  }
+}
+
+std::vector<StreamError> DeviceAllocator::TakeStreamErrors() {
+  std::lock_guard lock(mutex_);
+  has_stream_errors_.store(false, std::memory_order_relaxed);
+  return std::exchange(stream_errors_, {});
 }
 
 EventHandle DeviceAllocator::TakeEvent() {

@@ -12,6 +12,7 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/container/btree_map.h"
@@ -30,6 +31,14 @@ namespace spillway {
 using FreeMemoryCallback = std::function<size_t(int device, size_t bytes)>;
 // Returns the registered callbacks (owned by the multi-device front).
 using FreeMemoryCallbacksFn = std::function<std::vector<FreeMemoryCallback>()>;
+
+// A failure reported while waiting for a stream's work (an asynchronous copy failed). The
+// allocator only needs the work to be over; the work's owner learns of the failure from this.
+struct StreamError {
+  int device = 0;
+  uint64_t stream = 0;  // StreamRef::id
+  std::string message;
+};
 
 struct AllocationInfo {
   void* ptr = nullptr;
@@ -79,6 +88,9 @@ class DeviceAllocator {
   size_t LargestFreeBlock() const;
   // Completes pending stream-use frees whose events have fired. Malloc does this on its own.
   void ProcessEvents();
+  // Stream errors seen while processing events since the last call (see StreamError).
+  bool has_stream_errors() const { return has_stream_errors_.load(std::memory_order_relaxed); }
+  std::vector<StreamError> TakeStreamErrors();
   int device() const { return device_; }
 
  private:
@@ -104,6 +116,9 @@ class DeviceAllocator {
   void ProcessEventsLocked();
   void SynchronizeAllEvents();
   EventHandle TakeEvent();
+  // Whether the work behind `event` (a stream use on `stream`) is over. A failed copy is over
+  // too: the error is kept for the stream's owner and the block becomes reusable.
+  bool UseIsOver(uint64_t stream, EventHandle event, bool wait);
   void Trace(TraceAction action, uintptr_t addr, size_t size, uint64_t stream,
              TraceContext context);
   [[noreturn]] void ThrowOutOfMemory(size_t requested, size_t rounded);
@@ -131,6 +146,8 @@ class DeviceAllocator {
   size_t limit_ = 0;   // effective: min of the two when set, 0 = none
   int64_t clock_ = 0;  // counts segment allocations, ages free segments for GC
   std::atomic<size_t> watermark_{std::numeric_limits<size_t>::max()};
+  std::vector<StreamError> stream_errors_;
+  std::atomic<bool> has_stream_errors_{false};
 };
 
 }  // namespace spillway

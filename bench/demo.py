@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(os.path.dirname(HERE), "out", "demo")
 
 
 def run(device, config, extra=()):
@@ -26,9 +27,15 @@ def main():
     device = "cuda" if torch.cuda.is_available() else "sim"
     where = "GPU" if device == "cuda" else "simulated device (no GPU here)"
     print(f"Spillway demo: a small GPT-style model, 4 steps, on the {where}\n")
-    base = run(device, "default")
+    os.makedirs(OUT, exist_ok=True)
+    without = os.path.join(OUT, "snapshot_no_offload.pickle")
+    with_eager = os.path.join(OUT, "snapshot_eager.pickle")
+    # On the simulated device the default configuration is Spillway's allocator already.
+    base = run(device, "default", ["--snapshot", without] if device == "sim" else [])
+    if device == "cuda":
+        run(device, "spillway", ["--snapshot", without])
     rows = [("no offload", base)]
-    rows.append(("Spillway eager", run(device, "eager")))
+    rows.append(("Spillway eager", run(device, "eager", ["--snapshot", with_eager])))
     budget = base["peak_allocated"] // 2
     rows.append((f"Spillway auto, budget {budget / 2**20:.1f} MiB",
                  run(device, "auto", ["--budget", str(budget)])))
@@ -43,6 +50,13 @@ def main():
               f"{'yes (bitwise)' if r['losses'] == base['losses'] else 'NO'} |")
     if any(r["losses"] != base["losses"] for _, r in rows):
         sys.exit("demo: losses differ from the run without offload")
+    from spillway import report
+
+    png = report.plot([report.load(without), report.load(with_eager)],
+                      ["no offload", "eager"], os.path.join(OUT, "timeline.png"))
+    print(f"\nsnapshots (open at pytorch.org/memory_viz): {without}\n  {with_eager}")
+    print(f"memory timeline: {png}")
+    print(f"report: python3 -m spillway.report {without} {with_eager}")
 
 
 if __name__ == "__main__":

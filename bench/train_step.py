@@ -51,6 +51,8 @@ def main():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--d-model", type=int, default=64)
+    parser.add_argument("--snapshot", default=None,
+                        help="record history and dump a snapshot here (Spillway configs)")
     parser.add_argument("--trace", default=None,
                         help="write the allocation trace of the run here (Spillway configs)")
     args = parser.parse_args()
@@ -81,11 +83,17 @@ def main():
     model_args = dict(layers=args.layers, batch=args.batch, seq=args.seq, d_model=args.d_model,
                       device="cuda" if args.device == "cuda" else "cpu",
                       checkpoint_layers=args.config == "checkpoint")
-    if args.trace and uses_spillway:
-        spillway.record_history(True, max_entries=1_000_000, stacks="none")
+    if (args.trace or args.snapshot) and not uses_spillway:
+        parser.error("--trace and --snapshot need a Spillway configuration")
+    if args.trace or args.snapshot:
+        spillway.record_history(True, max_entries=1_000_000,
+                                stacks="python" if args.snapshot else "none")
     losses, times = tiny_lm.train(steps=args.steps, offload=offload, **model_args)
-    if args.trace and uses_spillway:
+    if args.trace:
         write_trace(spillway.snapshot()["device_traces"][0], args.trace)
+    if args.snapshot:
+        spillway.synchronize()
+        spillway.dump_snapshot(args.snapshot)
     s = stats()
     print(json.dumps({
         "device": args.device,

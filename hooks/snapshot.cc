@@ -12,6 +12,7 @@
 #include "allocator/errors.h"
 #include "allocator/format.h"
 #include "hooks/runtime.h"
+#include "hooks/storage_tools.h"
 
 namespace py = pybind11;
 
@@ -95,6 +96,7 @@ py::dict SpillwaySection(Runtime& runtime, py::dict& block_sections) {
       e["nbytes"] = info->nbytes;
       e["residency"] = std::string(ResidencyName(info->residency));
       e["keepers"] = SavedKeepers(*info);
+      e["element_size"] = info->keepers.empty() ? 1 : info->keepers.front().view.element_size;
       e["external_holders"] = info->external_holders;
       e["spill_count"] = info->spill_count;
       e["reload_count"] = info->reload_count;
@@ -116,8 +118,23 @@ py::dict SpillwaySection(Runtime& runtime, py::dict& block_sections) {
       entries.append(e);
     }
   }
+  py::list events;
+  if (engine != nullptr) {
+    for (const OffloadEvent& ev : engine->Events()) {
+      py::dict d;
+      d["time_us"] = ev.time_us;
+      d["action"] = std::string(OffloadEventName(ev.kind));
+      d["device"] = ev.device;
+      d["entry"] = reinterpret_cast<uintptr_t>(ev.key);
+      d["bytes"] = ev.bytes;
+      events.append(d);
+    }
+  }
   py::dict section;
   section["entries"] = entries;
+  section["events"] = events;
+  section["releases"] = ReleaseLog();
+  section["allocator_stats"] = py::cast(runtime.allocator().FlatStats(0));
   section["blocks"] = block_sections;
   section["stats"] = engine != nullptr ? py::cast(engine->stats().Flatten()) : py::dict();
   return section;

@@ -12,6 +12,13 @@ namespace py = pybind11;
 namespace spillway::torch_layer {
 namespace {
 
+// Kept as Python objects: only touched with the GIL held (release() and snapshot() run in Python).
+constexpr size_t kMaxReleases = 1024;
+py::list& Releases() {
+  static auto* releases = new py::list();  // NOLINT: leaked, Python may be finalizing at exit
+  return *releases;
+}
+
 std::optional<EntryInfo> EntryOf(const at::Tensor& tensor) {
   if (!tensor.defined() || !tensor.has_storage()) return std::nullopt;
   OffloadEngine* engine = Runtime::Get().engine_if_created();
@@ -76,8 +83,13 @@ py::dict Release(const at::Tensor& tensor, bool force) {
   out["freed_bytes"] = freed;
   out["other_holders"] = other_holders;
   out["keepers"] = keepers;
+  py::list& log = Releases();
+  if (py::len(log) == kMaxReleases) log.attr("pop")(0);
+  log.append(out);
   return out;
 }
+
+py::list ReleaseLog() { return Releases(); }
 
 py::object ResidencyOf(const at::Tensor& tensor) {
   const std::optional<EntryInfo> entry = EntryOf(tensor);

@@ -17,6 +17,9 @@ pybind11::list Keepers(const at::Tensor& tensor);
 // the storage for backward, unless `force`.
 pybind11::dict Release(const at::Tensor& tensor, bool force);
 
+// Reports of the latest release() calls (bounded), for snapshots and spillway.report.
+pybind11::list ReleaseLog();
+
 // "resident", "spilling", "spilled", "reloading", "failed", or None when not an engine entry.
 pybind11::object ResidencyOf(const at::Tensor& tensor);
 

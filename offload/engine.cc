@@ -30,6 +30,25 @@ class EngineLock {
 
 bool OffloadEngine::InsideEngineOnThisThread() { return engine_depth > 0; }
 
+std::string_view OffloadEventName(OffloadEvent::Kind kind) {
+  switch (kind) {
+    case OffloadEvent::Kind::kSpill:
+      return "spill";
+    case OffloadEvent::Kind::kReload:
+      return "reload";
+    case OffloadEvent::Kind::kDropSpilled:
+      return "drop_spilled";
+    case OffloadEvent::Kind::kFailed:
+      return "failed";
+  }
+  return "unknown";
+}
+
+std::vector<OffloadEvent> OffloadEngine::Events() const {
+  EngineLock lock(mutex_);
+  return {events_.begin(), events_.end()};
+}
+
 std::string_view ResidencyName(Residency residency) {
   switch (residency) {
     case Residency::kResident:
@@ -100,18 +119,25 @@ struct OffloadEngine::DeviceContext {
   std::vector<EventHandle> spare;   // not borrowed right now
 };
 
+void OffloadEngine::Note(OffloadEvent::Kind kind, const Entry& e) {
+  if (events_.size() == kMaxEvents) events_.pop_front();
+  events_.push_back(OffloadEvent{NowMicros(), kind, e.device, e.key, e.nbytes});
+}
+
 OffloadEngine::OffloadEngine(CachingAllocator& allocator, OffloadConfig config)
     : allocator_(allocator), backend_(allocator.backend()), config_(std::move(config)) {
   devices_.resize(static_cast<size_t>(allocator_.device_count()));
   oom_callback_id_ = allocator_.AddFreeMemoryCallback(
       [this](int device, size_t bytes) { return ReleaseMemory(device, bytes); });
   allocator_.SetPressureHandler([this](int device) { OnPressure(device); });
+  allocator_.SetStreamErrorObserver([this](const StreamError& error) { OnStreamError(error); });
   UpdateWatermarks();
 }
 
 OffloadEngine::~OffloadEngine() {
   allocator_.RemoveFreeMemoryCallback(oom_callback_id_);
   allocator_.SetPressureHandler({});
+  allocator_.SetStreamErrorObserver({});
   for (int d = 0; d < allocator_.device_count(); ++d) {
     allocator_.SetWatermark(d, std::numeric_limits<size_t>::max());
   }
@@ -227,13 +253,21 @@ void OffloadEngine::Drop(Entry& e) {
   if (e.prefetched) prefetched_bytes_ -= e.nbytes;
   if (e.state == Residency::kSpilling || e.state == Residency::kSpilled) {
     stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
+    Note(OffloadEvent::Kind::kDropSpilled, e);
   }
   // A copy may still be reading or writing the host buffer: the pool reuses it only after the
   // stream that ran the copy has passed it.
   const DeviceContext& dc = Device(e.device);
   std::optional<StreamRef> last_use;
   if (e.state == Residency::kSpilling) last_use = dc.d2h;
-  if (e.state == Residency::kReloading) last_use = dc.h2d;
+  if (e.state == Residency::kReloading) {
+    last_use = dc.h2d;
+    // The copy may still be writing the device block, and no stream need have waited for it (a
+    // prefetch nobody acquired). Once freed, the block is reused in the order of the stream it
+    // was allocated on, so that stream waits for the copy. (Not a stream use of the engine's
+    // copy stream: the storage may outlive the engine and its streams.)
+    backend_.stream_wait_event(e.device, e.block_stream.handle, e.copy_done);
+  }
   ReleaseHost(e, last_use);
   if (e.copy_done != nullptr) Device(e.device).spare.push_back(e.copy_done);
   by_seq_.erase(e.seq);
@@ -248,17 +282,46 @@ void OffloadEngine::ReleaseHost(Entry& e, std::optional<StreamRef> last_use) {
   stats_.host_bytes.Decrease(static_cast<int64_t>(e.nbytes));
 }
 
-void OffloadEngine::Refresh(Entry& e) {
+void OffloadEngine::MarkFailed(Entry& e, const std::string& why) {
+  // The device copy is gone (spilling), or the bytes never arrived (reloading).
+  if (e.state == Residency::kSpilling) {
+    stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
+    Note(OffloadEvent::Kind::kFailed, e);
+  }
+  e.state = Residency::kFailed;
+  e.failure = why;
+}
+
+void OffloadEngine::FailInFlight(int device, Residency in_flight, const std::string& why) {
+  // A backend reports a failed asynchronous copy to whoever looks first, not necessarily for
+  // the copy that failed. Any copy in flight in that direction may be the one: none of their
+  // bytes can be trusted, and an error at use beats silently wrong data.
+  for (auto& [seq, entry] : by_seq_) {
+    if (entry->device == device && entry->state == in_flight) MarkFailed(*entry, why);
+  }
+}
+
+void OffloadEngine::OnStreamError(const StreamError& error) {
+  EngineLock lock(mutex_);
+  if (error.device < 0 || error.device >= static_cast<int>(devices_.size())) return;
+  const DeviceContext* dc = devices_[static_cast<size_t>(error.device)].get();
+  if (dc == nullptr) return;
+  if (error.stream == dc->d2h.id) FailInFlight(error.device, Residency::kSpilling, error.message);
+  if (error.stream == dc->h2d.id) FailInFlight(error.device, Residency::kReloading, error.message);
+}
+
+void OffloadEngine::Refresh(Entry& e, bool wait) {
   if (e.state != Residency::kSpilling && e.state != Residency::kReloading) return;
   bool done = false;
   try {
-    done = backend_.query_event(e.device, e.copy_done);
+    if (wait) {
+      backend_.synchronize_event(e.device, e.copy_done);
+      done = true;
+    } else {
+      done = backend_.query_event(e.device, e.copy_done);
+    }
   } catch (const BackendError& error) {
-    // The copy failed: the device copy is gone (spilling) or never arrived (reloading).
-    if (e.state == Residency::kSpilling)
-      stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
-    e.state = Residency::kFailed;
-    e.failure = error.what();
+    FailInFlight(e.device, e.state, error.what());
     return;
   }
   if (!done) return;
@@ -281,7 +344,15 @@ bool OffloadEngine::Eligible(const Entry& e) const {
 
 bool OffloadEngine::Spill(Entry& e) {
   DeviceContext& dc = Device(e.device);
-  absl::StatusOr<void*> host = dc.pool.Allocate(e.nbytes);
+  absl::StatusOr<void*> host = absl::UnknownError("not tried");
+  try {
+    host = dc.pool.Allocate(e.nbytes);
+  } catch (const BackendError& error) {
+    // The pool polls events on the copy streams: an earlier copy's failure can surface here.
+    FailInFlight(e.device, Residency::kSpilling, error.what());
+    FailInFlight(e.device, Residency::kReloading, error.what());
+    host = dc.pool.Allocate(e.nbytes);
+  }
   if (!host.ok()) {
     CountSkip(absl::IsResourceExhausted(host.status()) ? kSkipHostLimit : kSkipNoPinned);
     return false;
@@ -296,7 +367,12 @@ bool OffloadEngine::Spill(Entry& e) {
                           dc.d2h.handle);
     if (e.copy_done == nullptr) e.copy_done = TakeEvent(dc);
     backend_.record_event(e.device, e.copy_done, dc.d2h.handle);
-  } catch (const BackendError&) {
+  } catch (const BackendError& error) {
+    // Nothing of this spill ran (a failing call has no effect); an earlier copy's failure may
+    // have surfaced here.
+    if (error.operation() == "memcpy_async") {
+      FailInFlight(e.device, Residency::kSpilling, error.what());
+    }
     dc.pool.Free(*host, dc.d2h);
     CountSkip(kSkipCopyError);
     return false;
@@ -313,6 +389,7 @@ bool OffloadEngine::Spill(Entry& e) {
   stats_.bytes_to_host += static_cast<int64_t>(e.nbytes);
   stats_.spilled_bytes.Increase(static_cast<int64_t>(e.nbytes));
   stats_.host_bytes.Increase(static_cast<int64_t>(e.nbytes));
+  Note(OffloadEvent::Kind::kSpill, e);
   return true;
 }
 
@@ -340,11 +417,15 @@ void OffloadEngine::Reload(Entry& e, StreamRef consumer) {
     backend_.memcpy_async(e.device, ptr, e.host, e.nbytes, CopyKind::kHostToDevice, dc.h2d.handle);
     backend_.record_event(e.device, e.copy_done, dc.h2d.handle);
   } catch (const BackendError&) {
-    e.storage->drop_device_memory();  // nothing was written: give the block straight back
+    // The copy may already be enqueued (only the copy-done record failed): the block goes back
+    // with its reuse deferred until the copy stream has passed it.
+    allocator_.RecordStream(ptr, dc.h2d);
+    e.storage->drop_device_memory();
     throw;
   }
   if (e.state == Residency::kSpilling || e.state == Residency::kSpilled) {
     stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
+    Note(OffloadEvent::Kind::kReload, e);
   }
   e.block_stream = consumer;
   e.state = Residency::kReloading;
@@ -504,8 +585,18 @@ size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {
   }
   in_policy_ = false;
   if (released > 0) {
-    // The allocator retries right after this returns: the freed blocks must be reusable.
-    backend_.synchronize_stream(device, Device(device).d2h.handle);
+    // The allocator retries right after this returns: the freed blocks must be reusable. Each
+    // spill's own event is waited on first: a failed copy is reported once, to the first wait
+    // that finds it, and must mark its entry failed rather than escape from the stream-wide wait
+    // (leaving the entry to pass for spilled with bytes that never arrived).
+    for (auto& [seq, entry] : by_seq_) {
+      if (entry->device == device && entry->state == Residency::kSpilling) Refresh(*entry, true);
+    }
+    try {
+      backend_.synchronize_stream(device, Device(device).d2h.handle);
+    } catch (const BackendError& error) {
+      FailInFlight(device, Residency::kSpilling, error.what());
+    }
     for (auto& [seq, entry] : by_seq_) Refresh(*entry);
   }
   return released;
@@ -527,10 +618,21 @@ void OffloadEngine::OnPressure(int device) {
 
 void OffloadEngine::Synchronize() {
   EngineLock lock(mutex_);
+  // Entry by entry first, so that a failed copy marks its own entry failed (see ReleaseMemory);
+  // the stream-wide waits then cover the copies of entries dropped meanwhile.
+  for (auto& [seq, entry] : by_seq_) Refresh(*entry, /*wait=*/true);
   for (const auto& dc : devices_) {
     if (dc == nullptr) continue;
-    backend_.synchronize_stream(dc->device, dc->d2h.handle);
-    backend_.synchronize_stream(dc->device, dc->h2d.handle);
+    try {
+      backend_.synchronize_stream(dc->device, dc->d2h.handle);
+    } catch (const BackendError& error) {
+      FailInFlight(dc->device, Residency::kSpilling, error.what());
+    }
+    try {
+      backend_.synchronize_stream(dc->device, dc->h2d.handle);
+    } catch (const BackendError& error) {
+      FailInFlight(dc->device, Residency::kReloading, error.what());
+    }
   }
   for (auto& [seq, entry] : by_seq_) Refresh(*entry);
 }

@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -63,6 +64,17 @@ struct EntryInfo {
   int64_t last_spill_us = 0;   // wall time of the latest spill start, 0 if never
   int64_t last_reload_us = 0;  // wall time of the latest reload start, 0 if never
 };
+
+// One change of spilled bytes, for timelines (spillway.report).
+struct OffloadEvent {
+  enum class Kind { kSpill, kReload, kDropSpilled, kFailed };
+  int64_t time_us = 0;
+  Kind kind = Kind::kSpill;
+  int device = 0;
+  const void* key = nullptr;
+  size_t bytes = 0;
+};
+std::string_view OffloadEventName(OffloadEvent::Kind kind);
 
 class OffloadEngine {
  public:
@@ -112,6 +124,8 @@ class OffloadEngine {
   // Keys of every live entry, oldest save first.
   std::vector<const void*> EntryKeys() const;
   void CountSkip(std::string_view reason);
+  // The latest spills, reloads and drops of spilled entries (a bounded ring), oldest first.
+  std::vector<OffloadEvent> Events() const;
   // Makes `reason` appear in the statistics (at 0) before it is first counted.
   void DeclareSkipReason(std::string_view reason);
   OffloadStats stats() const;
@@ -134,8 +148,13 @@ class OffloadEngine {
 
   DeviceContext& Device(int device);
   Entry& EntryOf(KeeperId id) const;
-  void Refresh(Entry& e);
+  // Settles a spilling or reloading entry whose copy has completed; with `wait`, blocks the host
+  // until it has. A failed copy makes the entry kFailed.
+  void Refresh(Entry& e, bool wait = false);
   bool Eligible(const Entry& e) const;
+  void MarkFailed(Entry& e, const std::string& why);
+  void FailInFlight(int device, Residency in_flight, const std::string& why);
+  void OnStreamError(const StreamError& error);
   bool Spill(Entry& e);
   void Reload(Entry& e, StreamRef consumer);
   void Prefetch(uint64_t before_seq, StreamRef consumer);
@@ -163,6 +182,9 @@ class OffloadEngine {
   bool in_policy_ = false;       // the policy's own allocations must not re-enter it
   bool skip_consumer_wait_ = false;
   OffloadStats stats_;
+  static constexpr size_t kMaxEvents = 1 << 16;
+  std::deque<OffloadEvent> events_;
+  void Note(OffloadEvent::Kind kind, const Entry& e);
 };
 
 }  // namespace spillway

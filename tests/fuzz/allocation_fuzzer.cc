@@ -37,7 +37,7 @@ namespace {
 
 constexpr size_t kMiB = size_t{1} << 20;
 constexpr size_t kCapacity = 64 * kMiB;
-constexpr size_t kMark = 8;      // bytes checked at each end of an allocation
+constexpr size_t kMark = 8;       // bytes checked at each end of an allocation
 constexpr size_t kMaxLive = 512;  // keeps the per-step checks cheap
 
 enum Op : uint8_t {
@@ -57,9 +57,9 @@ enum Op : uint8_t {
 struct Live {
   uint8_t* ptr;
   size_t requested;
-  int stream;        // index into Harness::streams_
-  uint64_t id;       // seeds the marks
-  bool used_on[2];   // record_stream was called for that stream (never the own one)
+  int stream;       // index into Harness::streams_
+  uint64_t id;      // seeds the marks
+  bool used_on[2];  // record_stream was called for that stream (never the own one)
 };
 
 // A range that must not be handed out while `stream` stays held in `generation`.

@@ -32,8 +32,8 @@ constexpr size_t kMiB = size_t{1} << 20;
   __builtin_trap();
 }
 
-#define FUZZ_CHECK(cond) \
-  do {                   \
+#define FUZZ_CHECK(cond)                       \
+  do {                                         \
     if (!(cond)) Fail(#cond, __LINE__, input); \
   } while (0)
 

@@ -33,9 +33,9 @@ __attribute__((format(printf, 1, 2))) inline void Trace(const char* format, ...)
 }
 
 // Not CHECK: Abseil's logging library defines one.
-#define FUZZ_CHECK(cond)                                                  \
-  do {                                                                    \
-    if (!(cond)) ::spillway::fuzz::Fail(#cond, __FILE__, __LINE__);       \
+#define FUZZ_CHECK(cond)                                            \
+  do {                                                              \
+    if (!(cond)) ::spillway::fuzz::Fail(#cond, __FILE__, __LINE__); \
   } while (0)
 
 // A simulated device whose streams the input can hold (SimBackend::hold_stream): work queued

@@ -7,7 +7,8 @@
 // copies provably have not run yet.
 //
 // What must hold:
-//  - after Acquire and WaitResident, every byte of the storage is the one written at creation;
+//  - after Acquire, a read on the consumer stream sees every byte written at creation, and so
+//    does the host after WaitResident;
 //  - Acquire hands out the storage's own pointer and fails only with OutOfMemoryError (no fault
 //    is injected here), leaving the entry spilled;
 //  - no entry ever reaches the failed state; each entry's state agrees with whether its storage
@@ -17,6 +18,10 @@
 //    memory plus the scratch blocks;
 //  - scratch blocks keep the marks written at allocation (a copy the engine queued into a block
 //    the allocator has meanwhile handed out again would clobber them);
+// All device writes and reads are stream-ordered copies on the stream that owns the block, as
+// kernels would be: the allocator and the engine promise ordering on streams, not against the
+// host, so a host access could fail a correct engine (for example a block a dropped prefetch
+// still writes is handed out at once on its stream, which waits for that copy).
 //  - at the end, with everything dropped, nothing is left: no entry, no host bytes, no
 //    allocation.
 #include <fuzzer/FuzzedDataProvider.h>
@@ -88,17 +93,10 @@ void FillPattern(uint8_t* out, size_t n, uint64_t seed) {
   }
 }
 
-// Scratch blocks carry marks in their first and last kMark bytes (overlapping when small).
 uint8_t MarkByte(uint64_t id, size_t offset) {
   uint64_t x = (id + 1) * 0x9E3779B97F4A7C15ull + offset * 0xBF58476D1CE4E5B9ull;
   x ^= x >> 31;
   return static_cast<uint8_t>(x ^ (x >> 17));
-}
-
-template <typename F>
-void ForEachMarkOffset(size_t n, F&& f) {
-  for (size_t i = 0; i < std::min(n, kMark); ++i) f(i);
-  for (size_t i = n > kMark ? n - kMark : 0; i < n; ++i) f(i);
 }
 
 struct Item {
@@ -108,10 +106,14 @@ struct Item {
   std::vector<KeeperId> keepers;
 };
 
+// Marks at both ends of a scratch block (overlapping when it is small), written and read by
+// copies on its stream; the host side of the write stays alive until the check that follows it.
 struct Scratch {
   uint8_t* ptr;
   size_t size;
   uint64_t id;
+  int stream;
+  std::unique_ptr<uint8_t[]> marks;  // head (kMark bytes), then tail (kMark bytes)
 };
 
 enum Op : uint8_t {
@@ -272,8 +274,8 @@ class Harness {
     // Log-uniform up to 1 MiB: small storages keep executions fast and exercise the min_bytes
     // threshold; large ones fill the device quickly.
     const int log2 = in.ConsumeIntegralInRange<int>(0, 20);
-    const size_t nbytes =
-        std::min(kMiB, (size_t{1} << log2) + in.ConsumeIntegralInRange<size_t>(0, (size_t{1} << log2) - 1));
+    const size_t nbytes = std::min(
+        kMiB, (size_t{1} << log2) + in.ConsumeIntegralInRange<size_t>(0, (size_t{1} << log2) - 1));
     const int stream = in.ConsumeIntegralInRange<int>(0, 1);
     const bool held = in.ConsumeBool();
     if (items_.size() >= kMaxItems) return;
@@ -284,10 +286,14 @@ class Harness {
       return;  // the device is full of storages the program holds: legitimate
     }
     const uint64_t seed = next_seed_++;
-    // The simulated device's memory is host memory: this is the producing kernel. Writing from
-    // the host is equivalent here because no stream holds queued work that writes this block
-    // unless the engine reused it too early, which is what the checks are for.
-    FillPattern(static_cast<uint8_t*>(storage->data()), nbytes, seed);
+    // The producing kernel. Waiting for it (which lets held streams go) gives every consumer
+    // the bytes whatever stream it reads on: the engine orders consumers after its reloads, not
+    // after producers.
+    buffer_.resize(nbytes);
+    FillPattern(buffer_.data(), nbytes, seed);
+    backend_->memcpy_async(0, storage->data(), buffer_.data(), nbytes, CopyKind::kHostToDevice,
+                           streams_[stream].handle);
+    backend_->synchronize_stream(0, streams_[stream].handle);
     fuzz::Trace("New item %llu: %zu bytes at %p on stream %d, holders %d",
                 static_cast<unsigned long long>(seed), nbytes, storage->data(), stream, held);
     storage->holders = held ? 1 : 0;
@@ -318,8 +324,7 @@ class Harness {
 
   void Acquire(FuzzedDataProvider& in) {
     Item& item = items_[PickItem(in)];
-    const KeeperId id =
-        item.keepers[in.ConsumeIntegralInRange<size_t>(0, item.keepers.size() - 1)];
+    const KeeperId id = item.keepers[in.ConsumeIntegralInRange<size_t>(0, item.keepers.size() - 1)];
     const StreamRef consumer = streams_[in.ConsumeIntegralInRange<int>(0, 1)];
     fuzz::Trace("Acquire item %llu keeper %llu on stream %llu (%s)",
                 static_cast<unsigned long long>(item.seed), static_cast<unsigned long long>(id),
@@ -335,23 +340,29 @@ class Harness {
       return;
     }
     FUZZ_CHECK(ptr != nullptr && ptr == item.storage->data());
+    const size_t n = item.storage->nbytes();
+    // The consuming kernel, ordered by Acquire alone, then a host consumer after WaitResident.
+    buffer_.resize(n);
+    backend_->memcpy_async(0, buffer_.data(), ptr, n, CopyKind::kDeviceToHost, consumer.handle);
     engine_->WaitResident(id);
     FUZZ_CHECK(engine_->DescribeKeeper(id)->residency == Residency::kResident);
-    const size_t n = item.storage->nbytes();
     expected_.resize(n);
     FillPattern(expected_.data(), n, item.seed);
     FUZZ_CHECK(std::memcmp(ptr, expected_.data(), n) == 0);
+    backend_->synchronize_stream(0, consumer.handle);
+    FUZZ_CHECK(buffer_ == expected_);
   }
 
   void RemoveKeeper(FuzzedDataProvider& in) {
     const size_t i = PickItem(in);
     Item& item = items_[i];
     const size_t k = in.ConsumeIntegralInRange<size_t>(0, item.keepers.size() - 1);
-    fuzz::Trace("RemoveKeeper item %llu keeper %llu (%s, %zu keepers)",
-                static_cast<unsigned long long>(item.seed),
-                static_cast<unsigned long long>(item.keepers[k]),
-                std::string(ResidencyName(engine_->DescribeKeeper(item.keepers[k])->residency)).c_str(),
-                item.keepers.size());
+    fuzz::Trace(
+        "RemoveKeeper item %llu keeper %llu (%s, %zu keepers)",
+        static_cast<unsigned long long>(item.seed),
+        static_cast<unsigned long long>(item.keepers[k]),
+        std::string(ResidencyName(engine_->DescribeKeeper(item.keepers[k])->residency)).c_str(),
+        item.keepers.size());
     engine_->RemoveKeeper(item.keepers[k]);
     item.keepers.erase(item.keepers.begin() + static_cast<std::ptrdiff_t>(k));
     // The saved tensor was the program's last reference too: the storage goes with the entry.
@@ -360,7 +371,8 @@ class Harness {
 
   void AllocScratch(FuzzedDataProvider& in) {
     const int log2 = in.ConsumeIntegralInRange<int>(0, 23);
-    const size_t size = (size_t{1} << log2) + in.ConsumeIntegralInRange<size_t>(0, (size_t{1} << log2) - 1);
+    const size_t size =
+        (size_t{1} << log2) + in.ConsumeIntegralInRange<size_t>(0, (size_t{1} << log2) - 1);
     const int stream = in.ConsumeIntegralInRange<int>(0, 1);
     if (scratch_.size() >= kMaxScratch) return;
     void* p = nullptr;
@@ -369,18 +381,36 @@ class Harness {
     } catch (const OutOfMemoryError&) {
       return;
     }
-    auto* ptr = static_cast<uint8_t*>(p);
     const uint64_t id = next_seed_++;
-    ForEachMarkOffset(size, [&](size_t i) { ptr[i] = MarkByte(id, i); });
+    Scratch s{static_cast<uint8_t*>(p), size, id, stream, std::make_unique<uint8_t[]>(2 * kMark)};
+    const size_t n = std::min(size, kMark);
+    for (size_t i = 0; i < n; ++i) {
+      s.marks[i] = MarkByte(id, i);
+      s.marks[kMark + i] = MarkByte(id, size - n + i);
+    }
+    backend_->memcpy_async(0, s.ptr, s.marks.get(), n, CopyKind::kHostToDevice,
+                           streams_[stream].handle);
+    backend_->memcpy_async(0, s.ptr + size - n, s.marks.get() + kMark, n, CopyKind::kHostToDevice,
+                           streams_[stream].handle);
     fuzz::Trace("Scratch %llu: %zu bytes at %p on stream %d", static_cast<unsigned long long>(id),
                 size, p, stream);
-    scratch_.push_back(Scratch{ptr, size, id});
+    scratch_.push_back(std::move(s));
   }
 
+  // Checks the marks on the block's stream before freeing it.
   void FreeScratch(size_t i) {
-    fuzz::Trace("FreeScratch %llu", static_cast<unsigned long long>(scratch_[i].id));
-    allocator_->Free(scratch_[i].ptr);
-    scratch_[i] = scratch_.back();
+    Scratch& s = scratch_[i];
+    fuzz::Trace("FreeScratch %llu", static_cast<unsigned long long>(s.id));
+    const size_t n = std::min(s.size, kMark);
+    uint8_t got[2 * kMark];
+    const StreamHandle stream = streams_[s.stream].handle;
+    backend_->memcpy_async(0, got, s.ptr, n, CopyKind::kDeviceToHost, stream);
+    backend_->memcpy_async(0, got + kMark, s.ptr + s.size - n, n, CopyKind::kDeviceToHost, stream);
+    backend_->synchronize_stream(0, stream);
+    FUZZ_CHECK(std::memcmp(got, s.marks.get(), n) == 0);
+    FUZZ_CHECK(std::memcmp(got + kMark, s.marks.get() + kMark, n) == 0);
+    allocator_->Free(s.ptr);
+    scratch_[i] = std::move(scratch_.back());
     scratch_.pop_back();
   }
 
@@ -418,9 +448,6 @@ class Harness {
     FUZZ_CHECK(stats.host_reserved_bytes >= host);
     FUZZ_CHECK(allocator_->stats(0).allocation.all().current ==
                with_memory + static_cast<int64_t>(scratch_.size()));
-    for (const Scratch& s : scratch_) {
-      ForEachMarkOffset(s.size, [&](size_t i) { FUZZ_CHECK(s.ptr[i] == MarkByte(s.id, i)); });
-    }
   }
 
   std::shared_ptr<fuzz::GatedBackend> backend_;
@@ -430,6 +457,7 @@ class Harness {
   std::vector<Item> items_;
   std::vector<Scratch> scratch_;
   std::vector<uint8_t> expected_;
+  std::vector<uint8_t> buffer_;  // host side of the producing and consuming kernels
   uint64_t next_seed_ = 1;
 };
 

@@ -2,8 +2,11 @@
 // at the call it belongs to, corrupt nothing, leak nothing, and leave the engine serving every
 // other entry. Streams are held with gates where the order of a copy and a check would otherwise
 // be a race, so every outcome here is deterministic.
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "allocator/errors.h"
 #include "allocator/format.h"
@@ -28,6 +31,31 @@ class OffloadFaultInjection : public OffloadEngineTest {
     void* ptr = engine_->Acquire(id, compute_);
     return ReadOn(compute_, ptr, nbytes);
   }
+
+  // The program's next allocation of `nbytes` on the compute stream, written there by a kernel
+  // while the engine's host-to-device stream is held by `hold`; returns what the block holds
+  // once every copy has run. Anything but the kernel's bytes means an engine copy landed in a
+  // block handed out again without anything ordering the two.
+  std::vector<uint8_t> KernelWriteIntoNextBlock(SimBackend::StreamHold& hold, size_t nbytes) {
+    void* next = allocator_->Malloc(nbytes, 0, compute_);
+    const std::vector<uint8_t> fill(nbytes, kFill);
+    backend_->memcpy_async(0, next, fill.data(), nbytes, CopyKind::kHostToDevice, compute_.handle);
+    // Unordered, the kernel runs within microseconds, before the held copy: give it that chance.
+    // Correctly ordered after the copy it cannot run yet, and the wait just runs out.
+    EventHandle written = backend_->create_event(0);
+    backend_->record_event(0, written, compute_.handle);
+    for (int i = 0; i < 100 && !backend_->query_event(0, written); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    hold.Open();
+    engine_->Synchronize();
+    std::vector<uint8_t> out = ReadOn(compute_, next, nbytes);
+    backend_->destroy_event(0, written);
+    allocator_->Free(next);
+    return out;
+  }
+
+  static constexpr uint8_t kFill = 0x5A;
 
   // Drops every keeper and storage, then checks that neither device nor pinned memory is left.
   void DropAllAndExpectNoLeaks(const std::vector<KeeperId>& ids) {
@@ -74,7 +102,8 @@ TEST_F(OffloadFaultInjection, OffloadDeviceMallocFailureDuringReload) {
     engine_->Acquire(ida, compute_);
     ADD_FAILURE() << "Acquire succeeded although the device refused the reload's memory";
   } catch (const OutOfMemoryError& e) {
-    EXPECT_TRUE(Contains(e.what(), "could not reload a saved storage of " + FormatBytes(12 * kMiB)));
+    EXPECT_TRUE(
+        Contains(e.what(), "could not reload a saved storage of " + FormatBytes(12 * kMiB)));
     EXPECT_EQ(e.requested_bytes(), 12 * kMiB);
     EXPECT_EQ(e.device(), 0);
   }
@@ -91,12 +120,14 @@ TEST_F(OffloadFaultInjection, OffloadDeviceMallocFailureDuringReload) {
   EXPECT_EQ(EngineStat("num_reloads"), 0);
   EXPECT_EQ(AllocStat("allocated_bytes.all.current"), static_cast<int64_t>(52 * kMiB));
 
-  // The other entry is served as before.
-  EXPECT_EQ(AcquireAndRead(idb, 16 * kMiB), Pattern(16 * kMiB, 2));
+  EXPECT_EQ(Read(b), Pattern(16 * kMiB, 2));
   // The ladder gave the side segment back, so there is room now: the same Acquire succeeds.
   EXPECT_EQ(AcquireAndRead(ida, 12 * kMiB), Pattern(12 * kMiB, 1));
+  engine_->Synchronize();
   EXPECT_EQ(StateOf(a), Residency::kResident);
   EXPECT_EQ(EngineStat("num_reloads"), 1);
+  // The other entry is served as before.
+  EXPECT_EQ(AcquireAndRead(idb, 16 * kMiB), Pattern(16 * kMiB, 2));
 
   allocator_->Free(filler);
   a.reset();
@@ -214,9 +245,15 @@ TEST_F(OffloadFaultInjection, OffloadFailedEventDuringSpill) {
     std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 30 + n);
     const KeeperId ida = Save(a);
     a->holders = 0;
+    const size_t copied_before = backend_->bytes_copied(CopyKind::kDeviceToHost);
     backend_->fail_event_after(n);
     engine_->ForwardEnd();
     backend_->fail_event_after(-1);
+    engine_->Synchronize();
+    // Only the last failure point comes after the copy was enqueued; the copy then ran, reading
+    // the still-resident block into a pinned buffer the pool reuses only after it.
+    EXPECT_EQ(backend_->bytes_copied(CopyKind::kDeviceToHost) - copied_before,
+              n == 3 ? 2 * kMiB : 0u);
 
     EXPECT_EQ(EngineStat("skipped.copy_error"), 1);
     EXPECT_EQ(StateOf(a), Residency::kResident);
@@ -226,10 +263,6 @@ TEST_F(OffloadFaultInjection, OffloadFailedEventDuringSpill) {
     EXPECT_EQ(EngineStat("host_bytes.current"), 0);
     EXPECT_EQ(EngineStat("spilled_bytes.current"), 0);
     EXPECT_EQ(AllocStat("allocated_bytes.all.current"), static_cast<int64_t>(2 * kMiB));
-    // Only the last failure point comes after the copy was enqueued; the copy then ran, reading
-    // the still-resident block into a host buffer the pool reuses only after it.
-    engine_->Synchronize();
-    EXPECT_EQ(backend_->bytes_copied(CopyKind::kDeviceToHost), n == 3 ? 2 * kMiB : 0u);
 
     // The rescue spills it now, and it comes back intact; so does a new entry.
     EXPECT_GT(engine_->ReleaseMemory(0, 2 * kMiB), 0u);
@@ -252,9 +285,9 @@ TEST_F(OffloadFaultInjection, OffloadFailedEventDuringSpill) {
 // An event call fails while a reload is being enqueued: it creates the event marking the
 // consumer's use of the new block, records it, and records the copy-done event after the
 // host-to-device copy was enqueued. Acquire reports the backend error and the entry stays
-// spilled. When the copy was already enqueued, the block it writes must not be handed out
-// again before the copy ran: the consumer stream is held so that the copy provably runs after
-// the next allocation on that stream was made and written.
+// spilled. When the copy was already enqueued, the block it writes must not be handed out again
+// before the copy ran; the copy stream is held so that the copy provably runs after the next
+// allocation on the consumer stream was made and written.
 TEST_F(OffloadFaultInjection, OffloadFailedEventDuringReload) {
   for (int n = 1; n <= 3; ++n) {
     SCOPED_TRACE(::testing::Message() << "event call " << n << " of the reload fails");
@@ -266,32 +299,54 @@ TEST_F(OffloadFaultInjection, OffloadFailedEventDuringReload) {
     engine_->Synchronize();
     ASSERT_EQ(StateOf(a), Residency::kSpilled);
 
-    std::vector<uint8_t> next_bytes;
-    {
-      auto hold = backend_->hold_stream(0, compute_.handle);
-      backend_->fail_event_after(n);
-      EXPECT_THROW(engine_->Acquire(ida, compute_), BackendError);
-      backend_->fail_event_after(-1);
-      EXPECT_EQ(StateOf(a), Residency::kSpilled);
-      EXPECT_EQ(a->data(), nullptr);
-      EXPECT_EQ(EngineStat("num_reloads"), 0);
-      EXPECT_EQ(AllocStat("allocated_bytes.all.current"), 0);
-      // The program's next allocation of that size on the stream: written while the engine's
-      // queued copy (if any) cannot have run yet.
-      void* next = allocator_->Malloc(2 * kMiB, 0, compute_);
-      std::memset(next, 0x5A, 2 * kMiB);
-      hold->Open();
-      engine_->Synchronize();
-      next_bytes.assign(static_cast<uint8_t*>(next), static_cast<uint8_t*>(next) + 2 * kMiB);
-      allocator_->Free(next);
-    }
-    EXPECT_EQ(next_bytes, std::vector<uint8_t>(2 * kMiB, 0x5A))
+    auto hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+    backend_->fail_event_after(n);
+    EXPECT_THROW(engine_->Acquire(ida, compute_), BackendError);
+    backend_->fail_event_after(-1);
+    EXPECT_EQ(StateOf(a), Residency::kSpilled);
+    EXPECT_EQ(a->data(), nullptr);
+    EXPECT_EQ(EngineStat("num_reloads"), 0);
+    EXPECT_EQ(AllocStat("allocated_bytes.all.current"), 0);
+    EXPECT_EQ(KernelWriteIntoNextBlock(*hold, 2 * kMiB), std::vector<uint8_t>(2 * kMiB, kFill))
         << "a copy queued by the failed reload wrote into a block handed out again";
 
     EXPECT_EQ(AcquireAndRead(ida, 2 * kMiB), Pattern(2 * kMiB, 50 + n));
     a.reset();
     DropAllAndExpectNoLeaks({ida});
   }
+}
+
+// Not an injected fault but the same hazard without one, found by tests/fuzz/residency_fuzzer:
+// an entry reloaded ahead of use (a prefetch) is dropped before anyone acquired it, so no stream
+// waited for its host-to-device copy. Whoever allocates its block next must not see the copy
+// land after their own writes; the copy stream is held so that the copy provably runs after the
+// next allocation on the prefetch's stream was made and written.
+TEST_F(OffloadFaultInjection, OffloadDropWhilePrefetchingKeepsTheCopyOrdered) {
+  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 61);
+  std::shared_ptr<TestStorage> b = NewStorage(2 * kMiB, 62);
+  const KeeperId ida = Save(a);
+  const KeeperId idb = Save(b);
+  a->holders = 0;
+  b->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(a), Residency::kSpilled);
+  ASSERT_EQ(StateOf(b), Residency::kSpilled);
+
+  auto hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+  void* b_ptr = engine_->Acquire(idb, compute_);  // reloads b, and prefetches a (saved before b)
+  ASSERT_EQ(StateOf(a), Residency::kReloading);
+  // Backward no longer needs a: the saved tensor and its storage go.
+  engine_->RemoveKeeper(ida);
+  storages_.erase(std::find(storages_.begin(), storages_.end(), a));
+  a.reset();
+  EXPECT_EQ(KernelWriteIntoNextBlock(*hold, 2 * kMiB), std::vector<uint8_t>(2 * kMiB, kFill))
+      << "the prefetch's copy landed after the next owner of its block wrote there";
+  EXPECT_EQ(ReadOn(compute_, b_ptr, 2 * kMiB), Pattern(2 * kMiB, 62));
+
+  b.reset();
+  DropAllAndExpectNoLeaks({idb});
 }
 
 }  // namespace

@@ -52,7 +52,7 @@ def test_failed_copy_raises_at_unpack_naming_shape_and_dtype_and_the_next_step_w
         print("next step equal:", torch.equal(step(), ref))
         print("host bytes:", spillway.memory_stats()["spillway.host_bytes.current"])
     """)
-    assert "error: spillway could not bring back the saved tensor Float[256, 256]" in out, out
+    assert "spillway could not bring back the saved tensor Float[256, 256]" in out, out
     assert "injected copy failure" in out
     assert "next step equal: True" in out
     assert "host bytes: 0" in out

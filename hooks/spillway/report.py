@@ -1,0 +1,179 @@
+"""Reads Spillway snapshots (spillway.dump_snapshot) and reports what holds memory.
+
+    python -m spillway.report SNAPSHOT [SNAPSHOT2] [-o OUT.png]
+
+Prints the largest blocks with their keepers, the storages held alive only by views that span a
+part of them, and the storages released while other tensors still held them; writes a PNG
+timeline of device memory (allocated, reserved, spilled to host) over the recorded history. Given
+two snapshots (say, without and with offload) it plots both on one figure.
+"""
+
+import argparse
+import pickle
+import sys
+
+MIB = float(1 << 20)
+
+
+def load(path):
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def series(snapshot, device=0):
+    """Timelines from the snapshot's history: a dict of lists `t` (seconds from the first event),
+    `allocated`, `reserved` and `spilled` (bytes after each event). The starting levels are
+    derived from the end state, so the curves end where the snapshot's segments are."""
+    trace = snapshot["device_traces"][device] if snapshot["device_traces"] else []
+    section = snapshot.get("spillway", {})
+    offload_events = [e for e in section.get("events", []) if e.get("device", 0) == device]
+    segments = [s for s in snapshot["segments"] if s["device"] == device]
+    end_allocated = sum(b["size"] for s in segments for b in s["blocks"]
+                        if b["state"] == "active_allocated")
+    end_reserved = sum(s["total_size"] for s in segments)
+    d_alloc = {"alloc": 1, "free_requested": -1}
+    d_reserved = {"segment_alloc": 1, "segment_free": -1}
+    start_allocated = end_allocated - sum(d_alloc.get(e["action"], 0) * e["size"] for e in trace)
+    start_reserved = end_reserved - sum(d_reserved.get(e["action"], 0) * e["size"] for e in trace)
+    d_spill = {"spill": 1, "reload": -1, "drop_spilled": -1}
+    end_spilled = section.get("stats", {}).get("spilled_bytes.current", 0)
+    start_spilled = end_spilled - sum(d_spill.get(e["action"], 0) * e["bytes"]
+                                      for e in offload_events)
+    merged = [(e["time_us"], 0, e) for e in trace] + [(e["time_us"], 1, e) for e in offload_events]
+    merged.sort(key=lambda item: (item[0], item[1]))
+    t0 = merged[0][0] if merged else 0
+    out = {"t": [0.0], "allocated": [start_allocated], "reserved": [start_reserved],
+           "spilled": [start_spilled]}
+    allocated, reserved, spilled = start_allocated, start_reserved, start_spilled
+    for time_us, kind, e in merged:
+        if kind == 0:
+            allocated += d_alloc.get(e["action"], 0) * e["size"]
+            reserved += d_reserved.get(e["action"], 0) * e["size"]
+        else:
+            spilled += d_spill.get(e["action"], 0) * e["bytes"]
+        out["t"].append((time_us - t0) / 1e6)
+        out["allocated"].append(allocated)
+        out["reserved"].append(reserved)
+        out["spilled"].append(spilled)
+    return out
+
+
+def _keepers_text(keepers, external):
+    parts = [f"saved {tuple(k['shape'])} stride {tuple(k['stride'])} offset {k['offset']}"
+             for k in keepers]
+    if external:
+        parts.append(f"{external} other holder(s)")
+    return "; ".join(parts) or "no holders known"
+
+
+def _span_bytes(keeper, element_size):
+    """Bytes from the storage's start to the end of the view's last element."""
+    if any(s == 0 for s in keeper["shape"]):
+        return 0
+    last = keeper["offset"] + sum((s - 1) * st for s, st in zip(keeper["shape"], keeper["stride"]))
+    return (last + 1) * element_size
+
+
+def summary(snapshot, top=10):
+    lines = []
+    section = snapshot.get("spillway", {})
+    annotated = section.get("blocks", {})
+    blocks = [(b, s) for s in snapshot["segments"] for b in s["blocks"]
+              if b["state"] != "inactive"]
+    blocks.sort(key=lambda item: -item[0]["size"])
+    lines.append(f"Largest blocks ({min(top, len(blocks))} of {len(blocks)} active):")
+    for b, s in blocks[:top]:
+        note = annotated.get(b["address"])
+        who = _keepers_text(note["keepers"], note["external_holders"]) if note else \
+            "not saved for backward"
+        where = ""
+        if b.get("frames"):
+            f = b["frames"][0]
+            where = f"  at {f['filename']}:{f['line']} ({f['name']})"
+        lines.append(f"  {b['size'] / MIB:9.2f} MiB  {b['state']:<20} {who}{where}")
+
+    lines.append("")
+    lines.append("Storages held alive only by views (the rest of the storage is pinned by them):")
+    found = False
+    for e in section.get("entries", []):
+        if e["external_holders"] or not e["keepers"]:
+            continue
+        element = e.get("element_size", 1)
+        span = max(_span_bytes(k, element) for k in e["keepers"])
+        if span < e["nbytes"]:
+            found = True
+            lines.append(f"  entry {e['entry']:#x}: {e['nbytes'] / MIB:.2f} MiB kept by views "
+                         f"reaching {span / MIB:.2f} MiB ({e['residency']}): "
+                         f"{_keepers_text(e['keepers'], 0)}")
+    if not found:
+        lines.append("  none")
+
+    lines.append("")
+    lines.append("Storages released while other tensors still held them:")
+    releases = [r for r in section.get("releases", []) if r["other_holders"] > 0]
+    for r in releases:
+        lines.append(f"  {r['freed_bytes'] / MIB:.2f} MiB freed; {r['other_holders']} other "
+                     f"holder(s): {_keepers_text([k for k in r['keepers'] if k['kind'] == 'saved'], r['other_holders'])}")
+    if not releases:
+        lines.append("  none")
+
+    stats = section.get("stats", {})
+    if stats:
+        lines.append("")
+        lines.append(f"Offload: {stats.get('num_spills', 0)} spills, "
+                     f"{stats.get('num_reloads', 0)} reloads, "
+                     f"{stats.get('bytes_to_host', 0) / MIB:.1f} MiB to host, "
+                     f"{stats.get('num_prefetch_hits', 0)} prefetch hits, "
+                     f"{stats.get('num_stalls', 0)} stalls")
+    return "\n".join(lines)
+
+
+def plot(snapshots, labels, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    styles = ["-", "--"]
+    for snap, label, style in zip(snapshots, labels, styles):
+        s = series(snap)
+        prefix = f"{label}: " if len(snapshots) > 1 else ""
+        ax.step(s["t"], [v / MIB for v in s["allocated"]], where="post", linestyle=style,
+                color="tab:blue", label=f"{prefix}allocated")
+        ax.step(s["t"], [v / MIB for v in s["reserved"]], where="post", linestyle=style,
+                color="tab:gray", label=f"{prefix}reserved")
+        ax.step(s["t"], [v / MIB for v in s["spilled"]], where="post", linestyle=style,
+                color="tab:orange", label=f"{prefix}spilled to host")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("MiB")
+    ax.set_title("Device memory over the recorded history")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m spillway.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("snapshots", nargs="+", help="one or two pickles from spillway.dump_snapshot")
+    parser.add_argument("-o", "--output", default="spillway_timeline.png", help="PNG to write")
+    args = parser.parse_args(argv)
+    if len(args.snapshots) > 2:
+        parser.error("give one or two snapshots")
+    snaps = [load(p) for p in args.snapshots]
+    for path, snap in zip(args.snapshots, snaps):
+        print(f"== {path}")
+        print(summary(snap))
+        print()
+    labels = ["first", "second"] if len(snaps) == 2 else [""]
+    if len(snaps) == 2:
+        labels = [p.rsplit("/", 1)[-1] for p in args.snapshots]
+    print(f"timeline: {plot(snaps, labels, args.output)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
