@@ -1,5 +1,8 @@
 // Stream-ordered reuse: blocks are reused only on their allocation stream, and a block used on
 // other streams (record_stream) is reused only after those streams' work up to the free is done.
+#include <chrono>
+#include <thread>
+
 #include "tests/allocator/sim_fixture.h"
 
 namespace spillway::testing {
@@ -95,6 +98,35 @@ TEST_F(StreamReuseTest, StreamIdsNotHandlesIdentifyStreams) {
   void* q = Alloc(4096, next);
   EXPECT_NE(q, p);
   allocator_->Free(q);
+}
+
+}  // namespace
+}  // namespace spillway::testing
+
+namespace spillway::testing {
+namespace {
+
+// A failed asynchronous copy found while processing stream uses is finished work: the block is
+// reused, the caller's Malloc succeeds, and the stream's owner hears of the failure.
+TEST_F(StreamReuseTest, FailedWorkOnAUseStreamReachesTheObserverNotTheCaller) {
+  const StreamRef other = backend_->create_stream(0);
+  std::vector<StreamError> seen;
+  allocator_->SetStreamErrorObserver([&](const StreamError& e) { seen.push_back(e); });
+  void* p = Alloc(4096, stream_);
+  std::vector<char> host(4096);
+  backend_->fail_copy_after(1);
+  backend_->memcpy_async(0, host.data(), p, 4096, CopyKind::kDeviceToHost, other.handle);
+  allocator_->RecordStream(p, other);
+  allocator_->Free(p);
+  // Poll as Malloc does until the failing copy has run and its error was found (bounded).
+  for (int i = 0; i < 2000 && seen.empty(); ++i) {
+    EXPECT_NO_THROW(allocator_->ProcessEvents(0));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].stream, other.id);
+  EXPECT_NE(seen[0].message.find("injected copy failure"), std::string::npos);
+  EXPECT_EQ(Stat("active.all.current"), 0);  // the block came back
 }
 
 }  // namespace
