@@ -95,7 +95,10 @@ void* CachingAllocator::Malloc(size_t size, int device, StreamHandle stream) {
 void CachingAllocator::Free(void* ptr, int device) {
   if (ptr == nullptr) return;
   DeviceAllocator& allocator = At(device);
-  if (allocator.Free(ptr, GatherContext())) return;
+  if (allocator.Free(ptr, GatherContext())) {
+    if (allocator.has_stream_errors()) DispatchStreamErrors(allocator);
+    return;
+  }
   Free(ptr);  // not on that device: search the others, or explain what the pointer is
 }
 
@@ -103,7 +106,10 @@ void CachingAllocator::Free(void* ptr) {
   if (ptr == nullptr) return;
   const TraceContext context = GatherContext();
   for (const auto& device : devices_) {
-    if (device->Free(ptr, context)) return;
+    if (device->Free(ptr, context)) {
+      if (device->has_stream_errors()) DispatchStreamErrors(*device);
+      return;
+    }
   }
   std::string what;
   for (const auto& device : devices_) {

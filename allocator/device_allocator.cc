@@ -191,8 +191,14 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
       // Creating the event can fail too (TakeEvent has no spare): same fallback as a failed record.
       event = TakeEvent();
       backend_.record_event(device_, event, use.handle);
-    } catch (const BackendError&) {
+    } catch (const BackendError& error) {
       if (event != nullptr) spare_events_.push_back(event);
+      // The record may have failed because earlier work on that stream failed (a backend
+      // reports that once, to whoever looks): the stream's owner must hear of it.
+      if (error.operation() == "memcpy_async") {
+        stream_errors_.push_back(StreamError{device_, use.id, error.what()});
+        has_stream_errors_.store(true, std::memory_order_relaxed);
+      }
       ++block->event_count;  // quarantine unless the host wait below succeeds
       backend_.synchronize_stream(device_, use.handle);
       --block->event_count;

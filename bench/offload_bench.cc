@@ -13,39 +13,13 @@
 
 #include "allocator/caching_allocator.h"
 #include "allocator/sim_backend.h"
+#include "offload/allocator_storage.h"
 #include "offload/engine.h"
 
 namespace spillway {
 namespace {
 
 constexpr size_t kMiB = size_t{1} << 20;
-
-// A storage over Spillway's allocator that nothing but the engine holds.
-class BenchStorage : public Storage {
- public:
-  BenchStorage(CachingAllocator& allocator, size_t nbytes, StreamRef stream)
-      : allocator_(allocator), nbytes_(nbytes), ptr_(allocator.Malloc(nbytes, 0, stream)) {}
-  ~BenchStorage() override {
-    if (ptr_ != nullptr) allocator_.Free(ptr_);
-  }
-  void* data() const override { return ptr_; }
-  size_t nbytes() const override { return nbytes_; }
-  int device() const override { return 0; }
-  int64_t external_holders() const override { return 0; }
-  void drop_device_memory() override {
-    allocator_.Free(ptr_);
-    ptr_ = nullptr;
-  }
-  void* allocate_device_memory(StreamRef stream) override {
-    ptr_ = allocator_.Malloc(nbytes_, 0, stream);
-    return ptr_;
-  }
-
- private:
-  CachingAllocator& allocator_;
-  size_t nbytes_;
-  void* ptr_;
-};
 
 struct Rig {
   explicit Rig(OffloadPolicy policy)
@@ -67,7 +41,8 @@ struct Rig {
 void SpillReloadRoundTrip(benchmark::State& state) {
   const size_t bytes = static_cast<size_t>(state.range(0)) * kMiB;
   Rig rig(OffloadPolicy::kEager);
-  auto storage = std::make_shared<BenchStorage>(rig.allocator, bytes, rig.stream);
+  auto storage =
+      std::make_shared<AllocatorStorage>(rig.allocator, bytes, rig.stream, /*holders=*/0);
   std::memset(storage->data(), 7, bytes);
   for (auto _ : state) {
     // One training step's life of a saved activation: saved (and spilled at once: eager, nothing
@@ -100,7 +75,7 @@ void MemcpyRoundTrip(benchmark::State& state) {
 
 void EngineBookkeeping(benchmark::State& state) {
   Rig rig(OffloadPolicy::kOff);
-  auto storage = std::make_shared<BenchStorage>(rig.allocator, 4096, rig.stream);
+  auto storage = std::make_shared<AllocatorStorage>(rig.allocator, 4096, rig.stream, /*holders=*/0);
   const OffloadEngine::StorageFactory factory = [&] { return storage; };
   ViewInfo view;
   view.sizes = {1024};

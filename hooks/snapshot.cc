@@ -69,19 +69,6 @@ py::list FramesOf(const TraceContext& context) {
   return out;
 }
 
-py::list SavedKeepers(const EntryInfo& entry) {
-  py::list out;
-  for (const KeeperInfo& k : entry.keepers) {
-    py::dict d;
-    d["kind"] = "saved";
-    d["shape"] = py::tuple(py::cast(k.view.sizes));
-    d["stride"] = py::tuple(py::cast(k.view.strides));
-    d["offset"] = k.view.offset;
-    out.append(d);
-  }
-  return out;
-}
-
 py::dict SpillwaySection(Runtime& runtime, py::dict& block_sections) {
   py::list entries;
   OffloadEngine* engine = runtime.engine_if_created();
@@ -95,7 +82,7 @@ py::dict SpillwaySection(Runtime& runtime, py::dict& block_sections) {
       e["device"] = info->device;
       e["nbytes"] = info->nbytes;
       e["residency"] = std::string(ResidencyName(info->residency));
-      e["keepers"] = SavedKeepers(*info);
+      e["keepers"] = SavedViewDicts(*info);
       e["element_size"] = info->keepers.empty() ? 1 : info->keepers.front().view.element_size;
       e["external_holders"] = info->external_holders;
       e["spill_count"] = info->spill_count;

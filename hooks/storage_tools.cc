@@ -35,22 +35,24 @@ void CheckTensor(const at::Tensor& tensor, const char* what) {
 
 }  // namespace
 
+py::list SavedViewDicts(const EntryInfo& entry) {
+  py::list out;
+  for (const KeeperInfo& k : entry.keepers) {
+    py::dict d;
+    d["kind"] = "saved";
+    d["shape"] = py::tuple(py::cast(k.view.sizes));
+    d["stride"] = py::tuple(py::cast(k.view.strides));
+    d["offset"] = k.view.offset;
+    out.append(d);
+  }
+  return out;
+}
+
 py::list Keepers(const at::Tensor& tensor) {
   CheckTensor(tensor, "spillway.keepers");
-  py::list out;
   const std::optional<EntryInfo> entry = EntryOf(tensor);
-  int64_t ours = 0;
-  if (entry) {
-    ours = 1;  // the engine's binding
-    for (const KeeperInfo& k : entry->keepers) {
-      py::dict d;
-      d["kind"] = "saved";
-      d["shape"] = py::tuple(py::cast(k.view.sizes));
-      d["stride"] = py::tuple(py::cast(k.view.strides));
-      d["offset"] = k.view.offset;
-      out.append(d);
-    }
-  }
+  py::list out = entry ? SavedViewDicts(*entry) : py::list();
+  const int64_t ours = entry ? 1 : 0;  // the engine's binding
   const int64_t external = static_cast<int64_t>(tensor.storage().use_count()) - ours;
   if (external > 0) {
     py::dict d;

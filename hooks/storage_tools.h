@@ -5,6 +5,8 @@
 #include <ATen/Tensor.h>
 #include <pybind11/pybind11.h>
 
+#include "offload/engine.h"
+
 namespace spillway::torch_layer {
 
 // One dict per keeper of the tensor's storage: {"kind": "saved", "shape", "stride", "offset"}
@@ -16,6 +18,9 @@ pybind11::list Keepers(const at::Tensor& tensor);
 // {"freed_bytes", "other_holders", "keepers"}. Refuses (ValueError) when saved tensors still keep
 // the storage for backward, unless `force`.
 pybind11::dict Release(const at::Tensor& tensor, bool force);
+
+// {"kind": "saved", "shape", "stride", "offset"} for each saved view of an engine entry.
+pybind11::list SavedViewDicts(const EntryInfo& entry);
 
 // Reports of the latest release() calls (bounded), for snapshots and spillway.report.
 pybind11::list ReleaseLog();

@@ -275,9 +275,20 @@ void OffloadEngine::Drop(Entry& e) {
   entries_.erase(e.key);  // destroys `e`, releasing the engine's hold on the storage
 }
 
+void OffloadEngine::FreeHostBuffer(int device, void* host, std::optional<StreamRef> last_use) {
+  try {
+    Device(device).pool.Free(host, last_use);
+  } catch (const BackendError& error) {
+    // Work on a copy stream failed earlier (the pool's event record found it); the buffer itself
+    // went back safely.
+    FailInFlight(device, Residency::kSpilling, error.what());
+    FailInFlight(device, Residency::kReloading, error.what());
+  }
+}
+
 void OffloadEngine::ReleaseHost(Entry& e, std::optional<StreamRef> last_use) {
   if (e.host == nullptr) return;
-  Device(e.device).pool.Free(e.host, last_use);
+  FreeHostBuffer(e.device, e.host, last_use);
   e.host = nullptr;
   stats_.host_bytes.Decrease(static_cast<int64_t>(e.nbytes));
 }
@@ -373,13 +384,12 @@ bool OffloadEngine::Spill(Entry& e) {
     if (error.operation() == "memcpy_async") {
       FailInFlight(e.device, Residency::kSpilling, error.what());
     }
-    dc.pool.Free(*host, dc.d2h);
+    FreeHostBuffer(e.device, *host, dc.d2h);
     CountSkip(kSkipCopyError);
     return false;
   }
-  // Reuse of the device block waits for the copy: one stream use, then the free.
-  allocator_.RecordStream(device_ptr, dc.d2h);
-  e.storage->drop_device_memory();
+  // In flight from here, accounting included: a failure that the free below happens to find
+  // must be able to fail this entry too.
   e.host = *host;
   e.state = Residency::kSpilling;
   e.acquired = false;
@@ -390,6 +400,9 @@ bool OffloadEngine::Spill(Entry& e) {
   stats_.spilled_bytes.Increase(static_cast<int64_t>(e.nbytes));
   stats_.host_bytes.Increase(static_cast<int64_t>(e.nbytes));
   Note(OffloadEvent::Kind::kSpill, e);
+  // Reuse of the device block waits for the copy: one stream use, then the free.
+  allocator_.RecordStream(device_ptr, dc.d2h);
+  e.storage->drop_device_memory();
   return true;
 }
 

@@ -155,6 +155,7 @@ class OffloadEngine {
   void MarkFailed(Entry& e, const std::string& why);
   void FailInFlight(int device, Residency in_flight, const std::string& why);
   void OnStreamError(const StreamError& error);
+  void FreeHostBuffer(int device, void* host, std::optional<StreamRef> last_use);
   bool Spill(Entry& e);
   void Reload(Entry& e, StreamRef consumer);
   void Prefetch(uint64_t before_seq, StreamRef consumer);

@@ -105,6 +105,12 @@ void PinnedPool::Free(void* ptr, std::optional<StreamRef> last_use) {
   // If it throws too, the buffer stays quarantined rather than risk handing it out mid-copy.
   backend_.synchronize_stream(device_, last_use->handle);
   ReleaseLocked(address);
+  // A record fails when earlier work on the stream failed (reported once, to whoever looks):
+  // the buffer is safe to reuse now, and the caller, who owns that work, must hear of it.
+  if (deferred_error_.has_value()) {
+    const BackendError error = *std::exchange(deferred_error_, std::nullopt);
+    throw error;
+  }
 }
 
 void PinnedPool::Trim() {
@@ -221,8 +227,9 @@ bool PinnedPool::DeferLocked(uintptr_t ptr, StreamRef last_use) {
   try {
     event.emplace(TakeEventLocked());
     event->record(last_use.handle);
-  } catch (const BackendError&) {
+  } catch (const BackendError& error) {
     if (event.has_value()) spare_events_.push_back(std::move(*event));  // still a usable event
+    if (error.operation() == "memcpy_async") deferred_error_ = error;
     return false;
   }
   pending_[last_use.id].push_back(Pending{std::move(*event), ptr});

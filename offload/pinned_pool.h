@@ -158,6 +158,8 @@ class PinnedPool {
   size_t peak_reserved_ = 0;
   size_t in_use_ = 0;
   int64_t num_backend_allocs_ = 0;
+  // A failure of earlier work found by Free's event record, rethrown once the buffer is safe.
+  std::optional<BackendError> deferred_error_;
 };
 
 }  // namespace spillway

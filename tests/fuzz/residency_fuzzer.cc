@@ -37,6 +37,7 @@
 
 #include "allocator/caching_allocator.h"
 #include "allocator/errors.h"
+#include "offload/allocator_storage.h"
 #include "offload/engine.h"
 #include "tests/fuzz/fuzz_support.h"
 
@@ -50,34 +51,12 @@ constexpr size_t kMaxItems = 24;
 constexpr size_t kMaxScratch = 8;
 constexpr size_t kMark = 8;
 
-// Like tests/offload/engine_fixture.h's TestStorage (that header needs GoogleTest): a storage
-// over Spillway's allocator whose other holders the fuzzer controls.
-class FuzzStorage : public Storage {
- public:
-  FuzzStorage(CachingAllocator& allocator, size_t nbytes, StreamRef stream)
-      : allocator_(allocator), nbytes_(nbytes), ptr_(allocator.Malloc(nbytes, 0, stream)) {}
-  ~FuzzStorage() override {
-    if (ptr_ != nullptr) allocator_.Free(ptr_);
-  }
-  void* data() const override { return ptr_; }
-  size_t nbytes() const override { return nbytes_; }
-  int device() const override { return 0; }
-  int64_t external_holders() const override { return holders.load(); }
-  void drop_device_memory() override {
-    allocator_.Free(ptr_);
-    ptr_ = nullptr;
-  }
-  void* allocate_device_memory(StreamRef stream) override {
-    ptr_ = allocator_.Malloc(nbytes_, 0, stream);
-    return ptr_;
-  }
+using FuzzStorage = AllocatorStorage;
 
-  std::atomic<int64_t> holders{1};
-
- private:
-  CachingAllocator& allocator_;
-  size_t nbytes_;
-  void* ptr_;
+private:
+CachingAllocator& allocator_;
+size_t nbytes_;
+void* ptr_;
 };
 
 // Contents of a storage: cheap to regenerate, so nothing but the seed is kept.

@@ -12,42 +12,15 @@
 
 #include "allocator/caching_allocator.h"
 #include "allocator/sim_backend.h"
+#include "offload/allocator_storage.h"
 #include "offload/engine.h"
 
 namespace spillway::testing {
 
 inline constexpr size_t kMiB = size_t{1} << 20;
 
-// A storage whose "other holders" the test controls.
-class TestStorage : public Storage {
- public:
-  TestStorage(CachingAllocator& allocator, size_t nbytes, StreamRef stream)
-      : allocator_(allocator), nbytes_(nbytes) {
-    ptr_ = allocator_.Malloc(nbytes, 0, stream);
-  }
-  ~TestStorage() override {
-    if (ptr_ != nullptr) allocator_.Free(ptr_);
-  }
-  void* data() const override { return ptr_; }
-  size_t nbytes() const override { return nbytes_; }
-  int device() const override { return 0; }
-  int64_t external_holders() const override { return holders.load(); }
-  void drop_device_memory() override {
-    allocator_.Free(ptr_);
-    ptr_ = nullptr;
-  }
-  void* allocate_device_memory(StreamRef stream) override {
-    ptr_ = allocator_.Malloc(nbytes_, 0, stream);
-    return ptr_;
-  }
-
-  std::atomic<int64_t> holders{1};  // the "forward pass" holds it until the test says otherwise
-
- private:
-  CachingAllocator& allocator_;
-  size_t nbytes_;
-  void* ptr_ = nullptr;
-};
+// A storage whose "other holders" the test controls; the forward pass holds it at first.
+using TestStorage = AllocatorStorage;
 
 class OffloadEngineTest : public ::testing::Test {
  protected:

@@ -1,6 +1,8 @@
 """Faults injected through the simulated device surface as clear errors at the right place, and
 nothing else is lost. Each runs in its own process (the fault knobs are process-wide)."""
 
+import re
+
 import pytest
 
 from conftest import run_script
@@ -40,20 +42,31 @@ def run(body):
     return result.stdout
 
 
-def test_failed_copy_raises_at_unpack_naming_shape_and_dtype_and_the_next_step_works():
+def test_failed_copy_is_never_silent_and_the_next_step_works():
+    """A device-to-host copy fails. Either the spill finds out while enqueueing (the copy ran at
+    once): the data stays on the device, the refusal is counted, gradients are right; or it is
+    found later: backward raises at unpack, naming the tensor's shape and dtype. Never wrong
+    gradients."""
     out = run("""
         ref = reference()
+        torch.manual_seed(1)
         try:
-            step(("copy", 1))
-            print("no error")
+            grad = step(("copy", 1))
+            print("no error; equal:", torch.equal(grad, ref))
+            print("copy_error:", spillway.memory_stats()["spillway.skipped.copy_error"])
         except RuntimeError as error:
-            print("error:", str(error).splitlines()[0])
+            print("error:", str(error).replace("\\n", " "))
         torch.manual_seed(1)
         print("next step equal:", torch.equal(step(), ref))
         print("host bytes:", spillway.memory_stats()["spillway.host_bytes.current"])
     """)
-    assert "spillway could not bring back the saved tensor Float[256, 256]" in out, out
-    assert "injected copy failure" in out
+    if "no error" in out:
+        assert "no error; equal: True" in out and "copy_error: 1" in out, out
+    else:
+        # Every copy in flight when the failure surfaced is failed (it cannot be told which one
+        # it was): the error may name the 256x256 activation or another saved tensor.
+        assert re.search(r"spillway could not bring back the saved tensor \w+\[[0-9, ]*\]", out), out
+        assert "injected copy failure" in out
     assert "next step equal: True" in out
     assert "host bytes: 0" in out
 
