@@ -7,47 +7,15 @@
 #include "allocator/errors.h"
 #include "allocator/format.h"
 #include "allocator/history.h"
+#include "offload/engine_internal.h"
+#include "offload/engine_internal.h"
 
+// Residency and copies: registration, spill, reload, drop, failures, synchronization.
 namespace spillway {
-
-namespace {
 
 thread_local int engine_depth = 0;
 
-// The engine's lock, also marking the thread as inside the engine.
-class EngineLock {
- public:
-  explicit EngineLock(std::recursive_mutex& mutex) : lock_(mutex) { ++engine_depth; }
-  ~EngineLock() { --engine_depth; }
-  EngineLock(const EngineLock&) = delete;
-  EngineLock& operator=(const EngineLock&) = delete;
-
- private:
-  std::lock_guard<std::recursive_mutex> lock_;
-};
-
-}  // namespace
-
 bool OffloadEngine::InsideEngineOnThisThread() { return engine_depth > 0; }
-
-std::string_view OffloadEventName(OffloadEvent::Kind kind) {
-  switch (kind) {
-    case OffloadEvent::Kind::kSpill:
-      return "spill";
-    case OffloadEvent::Kind::kReload:
-      return "reload";
-    case OffloadEvent::Kind::kDropSpilled:
-      return "drop_spilled";
-    case OffloadEvent::Kind::kFailed:
-      return "failed";
-  }
-  return "unknown";
-}
-
-std::vector<OffloadEvent> OffloadEngine::Events() const {
-  EngineLock lock(mutex_);
-  return {events_.begin(), events_.end()};
-}
 
 std::string_view ResidencyName(Residency residency) {
   switch (residency) {
@@ -64,60 +32,6 @@ std::string_view ResidencyName(Residency residency) {
   }
   return "unknown";
 }
-
-struct OffloadEngine::Entry {
-  const void* key = nullptr;
-  std::shared_ptr<Storage> storage;
-  size_t nbytes = 0;
-  int device = 0;
-  StreamRef producer;
-  uint64_t seq = 0;
-  Residency state = Residency::kResident;
-  absl::flat_hash_map<KeeperId, ViewInfo> keepers;
-  void* host = nullptr;             // pinned copy while spilling, spilled or reloading
-  EventHandle copy_done = nullptr;  // the latest D2H or H2D copy of this entry
-  StreamRef block_stream;           // allocation stream of the current device block
-  bool acquired = false;            // handed to a consumer since its last spill
-  bool prefetched = false;          // reloaded ahead of use, not yet acquired
-  bool acquiring = false;           // inside Acquire: its own prefetch must not spill it
-  bool policy_refused = false;      // a spill was refused for a reason that will not change
-  int64_t stall_since_us = 0;       // consumer is waiting since then (0 = nobody waits)
-  std::string failure;              // why the bytes are lost (state kFailed)
-  int64_t spill_count = 0;
-  int64_t reload_count = 0;
-  int64_t last_spill_us = 0;
-  int64_t last_reload_us = 0;
-};
-
-struct OffloadEngine::DeviceContext {
-  DeviceContext(Backend& backend, int device, const OffloadConfig& config)
-      : backend(backend),
-        device(device),
-        d2h(backend.create_stream(device)),
-        h2d(backend.create_stream(device)),
-        pool(backend, device, PinnedPool::Options{size_t{64} << 20, config.host_limit_bytes}) {}
-  ~DeviceContext() {
-    try {
-      backend.synchronize_stream(device, d2h.handle);
-      backend.synchronize_stream(device, h2d.handle);
-      for (EventHandle e : events) backend.destroy_event(device, e);
-      backend.destroy_stream(device, d2h.handle);
-      backend.destroy_stream(device, h2d.handle);
-    } catch (const std::exception&) {
-      // Destructors cannot report; the backend reclaims its objects when it goes.
-    }
-  }
-  DeviceContext(const DeviceContext&) = delete;
-  DeviceContext& operator=(const DeviceContext&) = delete;
-
-  Backend& backend;
-  const int device;
-  const StreamRef d2h;
-  const StreamRef h2d;
-  PinnedPool pool;
-  std::vector<EventHandle> events;  // every event this context created (entries borrow them)
-  std::vector<EventHandle> spare;   // not borrowed right now
-};
 
 void OffloadEngine::Note(OffloadEvent::Kind kind, const Entry& e) {
   if (events_.size() == kMaxEvents) events_.pop_front();
@@ -493,142 +407,6 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
   return e.storage->data();
 }
 
-void OffloadEngine::Prefetch(uint64_t before_seq, StreamRef consumer) {
-  if (config_.policy == OffloadPolicy::kOff || config_.prefetch_bytes == 0) return;
-  auto it = by_seq_.lower_bound(before_seq);
-  while (it != by_seq_.begin() && prefetched_bytes_ < config_.prefetch_bytes) {
-    --it;
-    Entry& e = *it->second;
-    Refresh(e);
-    if (e.state != Residency::kSpilled && e.state != Residency::kSpilling) continue;
-    if (config_.policy == OffloadPolicy::kAuto &&
-        AllocatedBytes(e.device) + e.nbytes > budget_bytes(e.device)) {
-      break;  // never prefetch past the budget
-    }
-    in_policy_ = true;
-    try {
-      Reload(e, consumer);
-    } catch (const std::exception&) {
-      in_policy_ = false;
-      break;  // prefetch is best effort; Acquire will retry and report
-    }
-    in_policy_ = false;
-    e.prefetched = true;
-    prefetched_bytes_ += e.nbytes;
-  }
-}
-
-void OffloadEngine::ForwardEnd() {
-  EngineLock lock(mutex_);
-  RunPolicy();
-}
-
-void OffloadEngine::BackwardStart(StreamRef consumer) {
-  EngineLock lock(mutex_);
-  Prefetch(next_seq_, consumer);
-}
-
-void OffloadEngine::RunPolicy() {
-  EngineLock lock(mutex_);
-  if (in_policy_) return;
-  in_policy_ = true;
-  try {
-    if (config_.policy == OffloadPolicy::kEager) {
-      for (auto& [seq, entry] : by_seq_) {
-        Entry& e = *entry;
-        if (!e.policy_refused && !e.acquired && !e.prefetched && Eligible(e)) {
-          if (!Spill(e)) e.policy_refused = true;
-        }
-      }
-    } else if (config_.policy == OffloadPolicy::kAuto) {
-      for (int d = 0; d < static_cast<int>(devices_.size()); ++d) {
-        const size_t budget = budget_bytes(d);
-        if (AllocatedBytes(d) > budget) SpillOldest(d, budget - budget / 16, false);
-      }
-    }
-  } catch (...) {
-    in_policy_ = false;
-    throw;
-  }
-  in_policy_ = false;
-}
-
-size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool include_window) {
-  // The newest entries (up to the prefetch window) are needed first in backward: keep them.
-  uint64_t window_start = next_seq_;
-  if (!include_window) {
-    size_t window = 0;
-    for (auto it = by_seq_.rbegin(); it != by_seq_.rend(); ++it) {
-      if (it->second->device != device) continue;
-      window += it->second->nbytes;
-      if (window > config_.prefetch_bytes) break;
-      window_start = it->first;
-    }
-  }
-  size_t released = 0;
-  for (auto& [seq, entry] : by_seq_) {
-    if (seq >= window_start) break;
-    if (AllocatedBytes(device) <= target_allocated) break;
-    Entry& e = *entry;
-    if (e.device != device || !Eligible(e)) continue;
-    if (!include_window && (e.policy_refused || e.acquired || e.prefetched)) continue;
-    if (e.prefetched) {
-      prefetched_bytes_ -= e.nbytes;
-      e.prefetched = false;
-    }
-    const auto info = allocator_.Lookup(e.storage->data());
-    if (Spill(e)) released += info ? info->size : e.nbytes;
-  }
-  return released;
-}
-
-size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {
-  EngineLock lock(mutex_);
-  if (config_.policy == OffloadPolicy::kOff) return 0;
-  if (device < 0 || device >= static_cast<int>(devices_.size())) return 0;
-  const size_t allocated = AllocatedBytes(device);
-  const size_t target = allocated > bytes ? allocated - bytes : 0;
-  in_policy_ = true;
-  size_t released = 0;
-  try {
-    released = SpillOldest(device, target, true);
-  } catch (...) {
-    in_policy_ = false;
-    throw;
-  }
-  in_policy_ = false;
-  if (released > 0) {
-    // The allocator retries right after this returns: the freed blocks must be reusable. Each
-    // spill's own event is waited on first: a failed copy is reported once, to the first wait
-    // that finds it, and must mark its entry failed rather than escape from the stream-wide wait
-    // (leaving the entry to pass for spilled with bytes that never arrived).
-    for (auto& [seq, entry] : by_seq_) {
-      if (entry->device == device && entry->state == Residency::kSpilling) Refresh(*entry, true);
-    }
-    try {
-      backend_.synchronize_stream(device, Device(device).d2h.handle);
-    } catch (const BackendError& error) {
-      FailInFlight(device, Residency::kSpilling, error.what());
-    }
-    for (auto& [seq, entry] : by_seq_) Refresh(*entry);
-  }
-  return released;
-}
-
-void OffloadEngine::OnPressure(int device) {
-  EngineLock lock(mutex_);
-  if (in_policy_ || config_.policy != OffloadPolicy::kAuto) return;
-  const size_t budget = budget_bytes(device);
-  in_policy_ = true;
-  try {
-    SpillOldest(device, budget - budget / 16, false);
-  } catch (...) {
-    in_policy_ = false;
-    throw;
-  }
-  in_policy_ = false;
-}
-
 void OffloadEngine::Synchronize() {
   EngineLock lock(mutex_);
   // Entry by entry first, so that a failed copy marks its own entry failed (see ReleaseMemory);
@@ -653,103 +431,6 @@ void OffloadEngine::Synchronize() {
 StreamRef OffloadEngine::h2d_stream_for_testing(int device) {
   EngineLock lock(mutex_);
   return Device(device).h2d;
-}
-
-size_t OffloadEngine::AllocatedBytes(int device) const {
-  return static_cast<size_t>(allocator_.stats(device).allocated_bytes.all().current);
-}
-
-size_t OffloadEngine::budget_bytes(int device) const {
-  EngineLock lock(mutex_);
-  if (config_.budget_bytes != 0) return config_.budget_bytes;
-  size_t limit = allocator_.memory_limit(device);
-  if (limit == 0) limit = backend_.mem_info(device).total_bytes;
-  return static_cast<size_t>(config_.budget_fraction * static_cast<double>(limit));
-}
-
-void OffloadEngine::UpdateWatermarks() {
-  for (int d = 0; d < allocator_.device_count(); ++d) {
-    allocator_.SetWatermark(d, config_.policy == OffloadPolicy::kAuto
-                                   ? budget_bytes(d)
-                                   : std::numeric_limits<size_t>::max());
-  }
-}
-
-void OffloadEngine::SetConfig(const OffloadConfig& config) {
-  EngineLock lock(mutex_);
-  config_ = config;
-  for (auto& [seq, entry] : by_seq_) {
-    entry->policy_refused = entry->nbytes < config_.min_bytes;
-  }
-  UpdateWatermarks();
-}
-
-OffloadConfig OffloadEngine::config() const {
-  EngineLock lock(mutex_);
-  return config_;
-}
-
-std::optional<EntryInfo> OffloadEngine::Describe(const void* key) const {
-  EngineLock lock(mutex_);
-  auto it = entries_.find(key);
-  if (it == entries_.end()) return std::nullopt;
-  const Entry& e = *it->second;
-  EntryInfo info;
-  info.key = e.key;
-  info.data = e.storage->data();
-  info.nbytes = e.nbytes;
-  info.device = e.device;
-  info.residency = e.state;
-  info.external_holders = e.storage->external_holders();
-  for (const auto& [id, view] : e.keepers) info.keepers.push_back(KeeperInfo{id, view});
-  std::sort(info.keepers.begin(), info.keepers.end(),
-            [](const KeeperInfo& a, const KeeperInfo& b) { return a.id < b.id; });
-  info.spill_count = e.spill_count;
-  info.reload_count = e.reload_count;
-  info.last_spill_us = e.last_spill_us;
-  info.last_reload_us = e.last_reload_us;
-  return info;
-}
-
-std::optional<EntryInfo> OffloadEngine::DescribeKeeper(KeeperId id) const {
-  EngineLock lock(mutex_);
-  auto it = keepers_.find(id);
-  if (it == keepers_.end()) return std::nullopt;
-  return Describe(it->second->key);
-}
-
-std::vector<const void*> OffloadEngine::EntryKeys() const {
-  EngineLock lock(mutex_);
-  std::vector<const void*> keys;
-  keys.reserve(by_seq_.size());
-  for (const auto& [seq, entry] : by_seq_) keys.push_back(entry->key);
-  return keys;
-}
-
-void OffloadEngine::CountSkip(std::string_view reason) {
-  EngineLock lock(mutex_);
-  ++stats_.skipped[std::string(reason)];
-}
-
-void OffloadEngine::DeclareSkipReason(std::string_view reason) {
-  EngineLock lock(mutex_);
-  stats_.skipped.try_emplace(std::string(reason), 0);
-}
-
-OffloadStats OffloadEngine::stats() const {
-  EngineLock lock(mutex_);
-  OffloadStats out = stats_;
-  out.host_reserved_bytes = 0;
-  for (const auto& dc : devices_) {
-    if (dc != nullptr) out.host_reserved_bytes += static_cast<int64_t>(dc->pool.reserved_bytes());
-  }
-  return out;
-}
-
-void OffloadEngine::ResetPeakStats() {
-  EngineLock lock(mutex_);
-  stats_.spilled_bytes.ResetPeak();
-  stats_.host_bytes.ResetPeak();
 }
 
 }  // namespace spillway

@@ -1,0 +1,96 @@
+// OffloadEngine: statistics, descriptions of entries, the event log.
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "allocator/errors.h"
+#include "allocator/format.h"
+#include "allocator/history.h"
+#include "offload/engine.h"
+#include "offload/engine_internal.h"
+
+namespace spillway {
+
+std::optional<EntryInfo> OffloadEngine::Describe(const void* key) const {
+  EngineLock lock(mutex_);
+  auto it = entries_.find(key);
+  if (it == entries_.end()) return std::nullopt;
+  const Entry& e = *it->second;
+  EntryInfo info;
+  info.key = e.key;
+  info.data = e.storage->data();
+  info.nbytes = e.nbytes;
+  info.device = e.device;
+  info.residency = e.state;
+  info.external_holders = e.storage->external_holders();
+  for (const auto& [id, view] : e.keepers) info.keepers.push_back(KeeperInfo{id, view});
+  std::sort(info.keepers.begin(), info.keepers.end(),
+            [](const KeeperInfo& a, const KeeperInfo& b) { return a.id < b.id; });
+  info.spill_count = e.spill_count;
+  info.reload_count = e.reload_count;
+  info.last_spill_us = e.last_spill_us;
+  info.last_reload_us = e.last_reload_us;
+  return info;
+}
+
+std::optional<EntryInfo> OffloadEngine::DescribeKeeper(KeeperId id) const {
+  EngineLock lock(mutex_);
+  auto it = keepers_.find(id);
+  if (it == keepers_.end()) return std::nullopt;
+  return Describe(it->second->key);
+}
+
+std::vector<const void*> OffloadEngine::EntryKeys() const {
+  EngineLock lock(mutex_);
+  std::vector<const void*> keys;
+  keys.reserve(by_seq_.size());
+  for (const auto& [seq, entry] : by_seq_) keys.push_back(entry->key);
+  return keys;
+}
+
+void OffloadEngine::CountSkip(std::string_view reason) {
+  EngineLock lock(mutex_);
+  ++stats_.skipped[std::string(reason)];
+}
+
+void OffloadEngine::DeclareSkipReason(std::string_view reason) {
+  EngineLock lock(mutex_);
+  stats_.skipped.try_emplace(std::string(reason), 0);
+}
+
+OffloadStats OffloadEngine::stats() const {
+  EngineLock lock(mutex_);
+  OffloadStats out = stats_;
+  out.host_reserved_bytes = 0;
+  for (const auto& dc : devices_) {
+    if (dc != nullptr) out.host_reserved_bytes += static_cast<int64_t>(dc->pool.reserved_bytes());
+  }
+  return out;
+}
+
+void OffloadEngine::ResetPeakStats() {
+  EngineLock lock(mutex_);
+  stats_.spilled_bytes.ResetPeak();
+  stats_.host_bytes.ResetPeak();
+}
+
+std::string_view OffloadEventName(OffloadEvent::Kind kind) {
+  switch (kind) {
+    case OffloadEvent::Kind::kSpill:
+      return "spill";
+    case OffloadEvent::Kind::kReload:
+      return "reload";
+    case OffloadEvent::Kind::kDropSpilled:
+      return "drop_spilled";
+    case OffloadEvent::Kind::kFailed:
+      return "failed";
+  }
+  return "unknown";
+}
+
+std::vector<OffloadEvent> OffloadEngine::Events() const {
+  EngineLock lock(mutex_);
+  return {events_.begin(), events_.end()};
+}
+
+}  // namespace spillway

@@ -1,0 +1,85 @@
+// Internals of OffloadEngine shared by its source files (engine.cc: residency and copies;
+// engine_policy.cc: policies, prefetch, rescue; engine_info.cc: statistics and descriptions).
+// Not part of the engine's interface.
+#pragma once
+
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "offload/engine.h"
+#include "offload/pinned_pool.h"
+
+namespace spillway {
+
+// Depth of EngineLocks the calling thread holds.
+extern thread_local int engine_depth;
+
+// The engine's lock, also marking the thread as inside the engine.
+class EngineLock {
+ public:
+  explicit EngineLock(std::recursive_mutex& mutex) : lock_(mutex) { ++engine_depth; }
+  ~EngineLock() { --engine_depth; }
+  EngineLock(const EngineLock&) = delete;
+  EngineLock& operator=(const EngineLock&) = delete;
+
+ private:
+  std::lock_guard<std::recursive_mutex> lock_;
+};
+
+struct OffloadEngine::Entry {
+  const void* key = nullptr;
+  std::shared_ptr<Storage> storage;
+  size_t nbytes = 0;
+  int device = 0;
+  StreamRef producer;
+  uint64_t seq = 0;
+  Residency state = Residency::kResident;
+  absl::flat_hash_map<KeeperId, ViewInfo> keepers;
+  void* host = nullptr;             // pinned copy while spilling, spilled or reloading
+  EventHandle copy_done = nullptr;  // the latest D2H or H2D copy of this entry
+  StreamRef block_stream;           // allocation stream of the current device block
+  bool acquired = false;            // handed to a consumer since its last spill
+  bool prefetched = false;          // reloaded ahead of use, not yet acquired
+  bool acquiring = false;           // inside Acquire: its own prefetch must not spill it
+  bool policy_refused = false;      // a spill was refused for a reason that will not change
+  int64_t stall_since_us = 0;       // consumer is waiting since then (0 = nobody waits)
+  std::string failure;              // why the bytes are lost (state kFailed)
+  int64_t spill_count = 0;
+  int64_t reload_count = 0;
+  int64_t last_spill_us = 0;
+  int64_t last_reload_us = 0;
+};
+
+struct OffloadEngine::DeviceContext {
+  DeviceContext(Backend& backend, int device, const OffloadConfig& config)
+      : backend(backend),
+        device(device),
+        d2h(backend.create_stream(device)),
+        h2d(backend.create_stream(device)),
+        pool(backend, device, PinnedPool::Options{size_t{64} << 20, config.host_limit_bytes}) {}
+  ~DeviceContext() {
+    try {
+      backend.synchronize_stream(device, d2h.handle);
+      backend.synchronize_stream(device, h2d.handle);
+      for (EventHandle e : events) backend.destroy_event(device, e);
+      backend.destroy_stream(device, d2h.handle);
+      backend.destroy_stream(device, h2d.handle);
+    } catch (const std::exception&) {
+      // Destructors cannot report; the backend reclaims its objects when it goes.
+    }
+  }
+  DeviceContext(const DeviceContext&) = delete;
+  DeviceContext& operator=(const DeviceContext&) = delete;
+
+  Backend& backend;
+  const int device;
+  const StreamRef d2h;
+  const StreamRef h2d;
+  PinnedPool pool;
+  std::vector<EventHandle> events;  // every event this context created (entries borrow them)
+  std::vector<EventHandle> spare;   // not borrowed right now
+};
+
+}  // namespace spillway

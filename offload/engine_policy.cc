@@ -1,0 +1,184 @@
+// OffloadEngine: the spill policies, prefetch, the out-of-memory rescue and the budget.
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "allocator/errors.h"
+#include "allocator/format.h"
+#include "allocator/history.h"
+#include "offload/engine.h"
+#include "offload/engine_internal.h"
+
+namespace spillway {
+
+void OffloadEngine::Prefetch(uint64_t before_seq, StreamRef consumer) {
+  if (config_.policy == OffloadPolicy::kOff || config_.prefetch_bytes == 0) return;
+  auto it = by_seq_.lower_bound(before_seq);
+  while (it != by_seq_.begin() && prefetched_bytes_ < config_.prefetch_bytes) {
+    --it;
+    Entry& e = *it->second;
+    Refresh(e);
+    if (e.state != Residency::kSpilled && e.state != Residency::kSpilling) continue;
+    if (config_.policy == OffloadPolicy::kAuto &&
+        AllocatedBytes(e.device) + e.nbytes > budget_bytes(e.device)) {
+      break;  // never prefetch past the budget
+    }
+    in_policy_ = true;
+    try {
+      Reload(e, consumer);
+    } catch (const std::exception&) {
+      in_policy_ = false;
+      break;  // prefetch is best effort; Acquire will retry and report
+    }
+    in_policy_ = false;
+    e.prefetched = true;
+    prefetched_bytes_ += e.nbytes;
+  }
+}
+
+void OffloadEngine::ForwardEnd() {
+  EngineLock lock(mutex_);
+  RunPolicy();
+}
+
+void OffloadEngine::BackwardStart(StreamRef consumer) {
+  EngineLock lock(mutex_);
+  Prefetch(next_seq_, consumer);
+}
+
+void OffloadEngine::RunPolicy() {
+  EngineLock lock(mutex_);
+  if (in_policy_) return;
+  in_policy_ = true;
+  try {
+    if (config_.policy == OffloadPolicy::kEager) {
+      for (auto& [seq, entry] : by_seq_) {
+        Entry& e = *entry;
+        if (!e.policy_refused && !e.acquired && !e.prefetched && Eligible(e)) {
+          if (!Spill(e)) e.policy_refused = true;
+        }
+      }
+    } else if (config_.policy == OffloadPolicy::kAuto) {
+      for (int d = 0; d < static_cast<int>(devices_.size()); ++d) {
+        const size_t budget = budget_bytes(d);
+        if (AllocatedBytes(d) > budget) SpillOldest(d, budget - budget / 16, false);
+      }
+    }
+  } catch (...) {
+    in_policy_ = false;
+    throw;
+  }
+  in_policy_ = false;
+}
+
+size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool include_window) {
+  // The newest entries (up to the prefetch window) are needed first in backward: keep them.
+  uint64_t window_start = next_seq_;
+  if (!include_window) {
+    size_t window = 0;
+    for (auto it = by_seq_.rbegin(); it != by_seq_.rend(); ++it) {
+      if (it->second->device != device) continue;
+      window += it->second->nbytes;
+      if (window > config_.prefetch_bytes) break;
+      window_start = it->first;
+    }
+  }
+  size_t released = 0;
+  for (auto& [seq, entry] : by_seq_) {
+    if (seq >= window_start) break;
+    if (AllocatedBytes(device) <= target_allocated) break;
+    Entry& e = *entry;
+    if (e.device != device || !Eligible(e)) continue;
+    if (!include_window && (e.policy_refused || e.acquired || e.prefetched)) continue;
+    if (e.prefetched) {
+      prefetched_bytes_ -= e.nbytes;
+      e.prefetched = false;
+    }
+    const auto info = allocator_.Lookup(e.storage->data());
+    if (Spill(e)) released += info ? info->size : e.nbytes;
+  }
+  return released;
+}
+
+size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {
+  EngineLock lock(mutex_);
+  if (config_.policy == OffloadPolicy::kOff) return 0;
+  if (device < 0 || device >= static_cast<int>(devices_.size())) return 0;
+  const size_t allocated = AllocatedBytes(device);
+  const size_t target = allocated > bytes ? allocated - bytes : 0;
+  in_policy_ = true;
+  size_t released = 0;
+  try {
+    released = SpillOldest(device, target, true);
+  } catch (...) {
+    in_policy_ = false;
+    throw;
+  }
+  in_policy_ = false;
+  if (released > 0) {
+    // The allocator retries right after this returns: the freed blocks must be reusable. Each
+    // spill's own event is waited on first: a failed copy is reported once, to the first wait
+    // that finds it, and must mark its entry failed rather than escape from the stream-wide wait
+    // (leaving the entry to pass for spilled with bytes that never arrived).
+    for (auto& [seq, entry] : by_seq_) {
+      if (entry->device == device && entry->state == Residency::kSpilling) Refresh(*entry, true);
+    }
+    try {
+      backend_.synchronize_stream(device, Device(device).d2h.handle);
+    } catch (const BackendError& error) {
+      FailInFlight(device, Residency::kSpilling, error.what());
+    }
+    for (auto& [seq, entry] : by_seq_) Refresh(*entry);
+  }
+  return released;
+}
+
+void OffloadEngine::OnPressure(int device) {
+  EngineLock lock(mutex_);
+  if (in_policy_ || config_.policy != OffloadPolicy::kAuto) return;
+  const size_t budget = budget_bytes(device);
+  in_policy_ = true;
+  try {
+    SpillOldest(device, budget - budget / 16, false);
+  } catch (...) {
+    in_policy_ = false;
+    throw;
+  }
+  in_policy_ = false;
+}
+
+size_t OffloadEngine::AllocatedBytes(int device) const {
+  return static_cast<size_t>(allocator_.stats(device).allocated_bytes.all().current);
+}
+
+size_t OffloadEngine::budget_bytes(int device) const {
+  EngineLock lock(mutex_);
+  if (config_.budget_bytes != 0) return config_.budget_bytes;
+  size_t limit = allocator_.memory_limit(device);
+  if (limit == 0) limit = backend_.mem_info(device).total_bytes;
+  return static_cast<size_t>(config_.budget_fraction * static_cast<double>(limit));
+}
+
+void OffloadEngine::UpdateWatermarks() {
+  for (int d = 0; d < allocator_.device_count(); ++d) {
+    allocator_.SetWatermark(d, config_.policy == OffloadPolicy::kAuto
+                                   ? budget_bytes(d)
+                                   : std::numeric_limits<size_t>::max());
+  }
+}
+
+void OffloadEngine::SetConfig(const OffloadConfig& config) {
+  EngineLock lock(mutex_);
+  config_ = config;
+  for (auto& [seq, entry] : by_seq_) {
+    entry->policy_refused = entry->nbytes < config_.min_bytes;
+  }
+  UpdateWatermarks();
+}
+
+OffloadConfig OffloadEngine::config() const {
+  EngineLock lock(mutex_);
+  return config_;
+}
+
+}  // namespace spillway
