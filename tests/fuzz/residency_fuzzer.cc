@@ -51,13 +51,8 @@ constexpr size_t kMaxItems = 24;
 constexpr size_t kMaxScratch = 8;
 constexpr size_t kMark = 8;
 
+// A storage over Spillway's allocator whose other holders the fuzzer controls.
 using FuzzStorage = AllocatorStorage;
-
-private:
-CachingAllocator& allocator_;
-size_t nbytes_;
-void* ptr_;
-};
 
 // Contents of a storage: cheap to regenerate, so nothing but the seed is kept.
 void FillPattern(uint8_t* out, size_t n, uint64_t seed) {
