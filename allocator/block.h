@@ -55,8 +55,22 @@ class FreeIndex {
   // path) would free and reallocate its root through the system heap each time.
   FreeIndex() { set_.insert(FreeKey{kSentinelStream, 0, 0, nullptr}); }
 
-  void Insert(Block* b) { set_.insert(FreeKey{b->stream.id, b->size, b->ptr, b}); }
-  void Erase(const Block* b) { set_.erase(FreeKey{b->stream.id, b->size, b->ptr, nullptr}); }
+  void Insert(Block* b) {
+    const FreeKey key{b->stream.id, b->size, b->ptr, b};
+    // A split's remainder and a merge's result usually belong right next to the place the last
+    // erase left: try there first (O(1) when right, a normal insert when not).
+    if (hint_valid_) {
+      hint_valid_ = false;
+      set_.insert(hint_, key);
+      return;
+    }
+    set_.insert(key);
+  }
+  void Erase(const Block* b) {
+    const auto it = set_.find(FreeKey{b->stream.id, b->size, b->ptr, nullptr});
+    hint_valid_ = it != set_.end();
+    if (hint_valid_) hint_ = set_.erase(it);
+  }
   // Removes and returns the smallest free block on `stream` with size >= `size`, if `accept`
   // takes it; else null and the index is unchanged. One tree descent for find and erase.
   template <typename Accept>
@@ -64,7 +78,8 @@ class FreeIndex {
     auto it = set_.lower_bound(FreeKey{stream, size, 0, nullptr});
     if (it == set_.end() || it->stream != stream || !accept(it->block)) return nullptr;
     Block* block = it->block;
-    set_.erase(it);
+    hint_ = set_.erase(it);
+    hint_valid_ = true;
     return block;
   }
   size_t size() const { return set_.size() - 1; }
@@ -78,6 +93,9 @@ class FreeIndex {
  private:
   static constexpr uint64_t kSentinelStream = ~uint64_t{0};
   absl::btree_set<FreeKey> set_;
+  // Where the last erase left off; valid until the next insert (erases refresh it).
+  absl::btree_set<FreeKey>::iterator hint_;
+  bool hint_valid_ = false;
 };
 
 // Recycles Block objects in chunks so the hot path never touches the system heap.

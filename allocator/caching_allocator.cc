@@ -31,18 +31,14 @@ CachingAllocator::CachingAllocator(std::shared_ptr<Backend> backend, AllocatorCo
   }
 }
 
-DeviceAllocator& CachingAllocator::At(int device) const {
-  if (device < 0 || device >= device_count()) {
-    throw InvalidArgumentError(absl::StrFormat(
-        "device index %d is out of range: the %s backend has %d device(s), valid indices are "
-        "0..%d",
-        device, backend_->name(), device_count(), device_count() - 1));
-  }
-  return *devices_[static_cast<size_t>(device)];
+void CachingAllocator::ThrowBadDevice(int device) const {
+  throw InvalidArgumentError(absl::StrFormat(
+      "device index %d is out of range: the %s backend has %d device(s), valid indices are "
+      "0..%d",
+      device, backend_->name(), device_count(), device_count() - 1));
 }
 
-TraceContext CachingAllocator::GatherContext() const {
-  if (!recording_.load(std::memory_order_relaxed)) return nullptr;
+TraceContext CachingAllocator::GatherContextSlow() const {
   ContextGatherer gatherer;
   {
     std::lock_guard lock(gatherer_mutex_);

@@ -82,8 +82,17 @@ class CachingAllocator {
   const AllocatorConfig& config() const { return config_; }
 
  private:
-  DeviceAllocator& At(int device) const;
-  TraceContext GatherContext() const;
+  // Both sit on the hot path: the common cases are inline, the rest out of line.
+  DeviceAllocator& At(int device) const {
+    if (device < 0 || device >= device_count()) ThrowBadDevice(device);
+    return *devices_[static_cast<size_t>(device)];
+  }
+  [[noreturn]] void ThrowBadDevice(int device) const;
+  TraceContext GatherContext() const {
+    if (!recording_.load(std::memory_order_relaxed)) return nullptr;
+    return GatherContextSlow();
+  }
+  TraceContext GatherContextSlow() const;
   std::vector<FreeMemoryCallback> Callbacks() const;
 
   const std::shared_ptr<Backend> backend_;
