@@ -8,7 +8,6 @@
 #include "allocator/format.h"
 #include "allocator/history.h"
 #include "offload/engine_internal.h"
-#include "offload/engine_internal.h"
 
 // Residency and copies: registration, spill, reload, drop, failures, synchronization.
 namespace spillway {

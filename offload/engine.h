@@ -162,6 +162,7 @@ class OffloadEngine {
   void Drop(Entry& e);
   void ReleaseHost(Entry& e, std::optional<StreamRef> last_use);
   size_t SpillOldest(int device, size_t target_allocated, bool include_window);
+  void SpillToBudget(int device);
   size_t AllocatedBytes(int device) const;
   void UpdateWatermarks();
   void OnPressure(int device);

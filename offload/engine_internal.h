@@ -28,6 +28,20 @@ class EngineLock {
   std::lock_guard<std::recursive_mutex> lock_;
 };
 
+// Marks the engine as running a policy for the scope, so that allocations the policy makes (and
+// the pressure handler they trigger) do not start another; restores the previous mark.
+class PolicyScope {
+ public:
+  explicit PolicyScope(bool& flag) : flag_(flag), saved_(flag) { flag_ = true; }
+  ~PolicyScope() { flag_ = saved_; }
+  PolicyScope(const PolicyScope&) = delete;
+  PolicyScope& operator=(const PolicyScope&) = delete;
+
+ private:
+  bool& flag_;
+  bool saved_;
+};
+
 struct OffloadEngine::Entry {
   const void* key = nullptr;
   std::shared_ptr<Storage> storage;

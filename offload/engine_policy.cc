@@ -23,14 +23,12 @@ void OffloadEngine::Prefetch(uint64_t before_seq, StreamRef consumer) {
         AllocatedBytes(e.device) + e.nbytes > budget_bytes(e.device)) {
       break;  // never prefetch past the budget
     }
-    in_policy_ = true;
     try {
+      PolicyScope scope(in_policy_);
       Reload(e, consumer);
     } catch (const std::exception&) {
-      in_policy_ = false;
       break;  // prefetch is best effort; Acquire will retry and report
     }
-    in_policy_ = false;
     e.prefetched = true;
     prefetched_bytes_ += e.nbytes;
   }
@@ -49,26 +47,23 @@ void OffloadEngine::BackwardStart(StreamRef consumer) {
 void OffloadEngine::RunPolicy() {
   EngineLock lock(mutex_);
   if (in_policy_) return;
-  in_policy_ = true;
-  try {
-    if (config_.policy == OffloadPolicy::kEager) {
-      for (auto& [seq, entry] : by_seq_) {
-        Entry& e = *entry;
-        if (!e.policy_refused && !e.acquired && !e.prefetched && Eligible(e)) {
-          if (!Spill(e)) e.policy_refused = true;
-        }
-      }
-    } else if (config_.policy == OffloadPolicy::kAuto) {
-      for (int d = 0; d < static_cast<int>(devices_.size()); ++d) {
-        const size_t budget = budget_bytes(d);
-        if (AllocatedBytes(d) > budget) SpillOldest(d, budget - budget / 16, false);
+  PolicyScope scope(in_policy_);
+  if (config_.policy == OffloadPolicy::kEager) {
+    for (auto& [seq, entry] : by_seq_) {
+      Entry& e = *entry;
+      if (!e.policy_refused && !e.acquired && !e.prefetched && Eligible(e)) {
+        if (!Spill(e)) e.policy_refused = true;
       }
     }
-  } catch (...) {
-    in_policy_ = false;
-    throw;
+  } else if (config_.policy == OffloadPolicy::kAuto) {
+    for (int d = 0; d < static_cast<int>(devices_.size()); ++d) SpillToBudget(d);
   }
-  in_policy_ = false;
+}
+
+void OffloadEngine::SpillToBudget(int device) {
+  // Spill down to the budget less a hysteresis, so the next few allocations do not re-trigger.
+  const size_t budget = budget_bytes(device);
+  if (AllocatedBytes(device) > budget) SpillOldest(device, budget - budget / 16, false);
 }
 
 size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool include_window) {
@@ -106,15 +101,11 @@ size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {
   if (device < 0 || device >= static_cast<int>(devices_.size())) return 0;
   const size_t allocated = AllocatedBytes(device);
   const size_t target = allocated > bytes ? allocated - bytes : 0;
-  in_policy_ = true;
   size_t released = 0;
-  try {
+  {
+    PolicyScope scope(in_policy_);
     released = SpillOldest(device, target, true);
-  } catch (...) {
-    in_policy_ = false;
-    throw;
   }
-  in_policy_ = false;
   if (released > 0) {
     // The allocator retries right after this returns: the freed blocks must be reusable. Each
     // spill's own event is waited on first: a failed copy is reported once, to the first wait
@@ -136,15 +127,8 @@ size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {
 void OffloadEngine::OnPressure(int device) {
   EngineLock lock(mutex_);
   if (in_policy_ || config_.policy != OffloadPolicy::kAuto) return;
-  const size_t budget = budget_bytes(device);
-  in_policy_ = true;
-  try {
-    SpillOldest(device, budget - budget / 16, false);
-  } catch (...) {
-    in_policy_ = false;
-    throw;
-  }
-  in_policy_ = false;
+  PolicyScope scope(in_policy_);
+  SpillToBudget(device);
 }
 
 size_t OffloadEngine::AllocatedBytes(int device) const {

@@ -29,17 +29,11 @@
 #include "allocator/sim_backend.h"
 #ifdef SPILLWAY_HAVE_CUDA
 #include "allocator/cuda_backend.h"
+#include "tests/sanitizers.h"
 #endif
 
 // Reading memory that a worker may be writing is the point of the stale-data test, and exactly what
 // ThreadSanitizer rightly reports; that one test skips itself under TSan.
-#if defined(__SANITIZE_THREAD__)
-#define SPILLWAY_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define SPILLWAY_TSAN 1
-#endif
-#endif
 
 namespace spillway {
 namespace {
@@ -466,7 +460,7 @@ TEST(SimBackendTest, EnqueueReturnsBeforeTheCopyRuns) {
 }
 
 TEST(SimBackendTest, ReadWithoutWaitSeesStaleDataButWaitedReadNeverDoes) {
-#ifdef SPILLWAY_TSAN
+#ifdef SPILLWAY_UNDER_TSAN
   GTEST_SKIP() << "reads memory a worker may be writing on purpose; TSan would report that race";
 #endif
   SimBackend backend(JitterOptions(2ms));
@@ -505,7 +499,7 @@ TEST(SimBackendTest, ReadWithoutWaitSeesStaleDataButWaitedReadNeverDoes) {
 }
 
 TEST(SimBackendTest, ConsumerStreamWithoutWaitSeesStaleDataWithWaitNever) {
-#ifdef SPILLWAY_TSAN
+#ifdef SPILLWAY_UNDER_TSAN
   GTEST_SKIP() << "the no-wait half races two workers on purpose; TSan would report that race";
 #endif
   SimBackend backend(JitterOptions(2ms));

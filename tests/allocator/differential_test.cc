@@ -45,6 +45,7 @@
 #include "allocator/snapshot.h"
 #include "allocator/stats.h"
 #include "gtest/gtest.h"
+#include "tests/sanitizers.h"
 
 namespace spillway {
 namespace {
@@ -108,14 +109,6 @@ class Pattern {
   }
   std::array<uint64_t, kBytes / sizeof(uint64_t)> words_;
 };
-
-#if defined(__SANITIZE_THREAD__)
-#define SPILLWAY_UNDER_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define SPILLWAY_UNDER_TSAN 1
-#endif
-#endif
 
 #if defined(SPILLWAY_UNDER_TSAN)
 // ThreadSanitizer shadows every byte copied or compared, which makes patterns over hundreds of

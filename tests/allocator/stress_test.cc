@@ -24,14 +24,7 @@
 #include "allocator/snapshot.h"
 #include "allocator/stats.h"
 #include "gtest/gtest.h"
-
-#if defined(__SANITIZE_THREAD__)
-#define SPILLWAY_UNDER_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define SPILLWAY_UNDER_TSAN 1
-#endif
-#endif
+#include "tests/sanitizers.h"
 
 namespace spillway {
 namespace {

@@ -15,17 +15,11 @@
 #include "allocator/sim_backend.h"
 #include "offload/allocator_storage.h"
 #include "offload/engine.h"
+#include "tests/sanitizers.h"
 
 namespace spillway::testing {
 
 inline constexpr size_t kMiB = size_t{1} << 20;
-
-// ThreadSanitizer runs these tests many times slower: long randomized tests do fewer steps.
-#if defined(__SANITIZE_THREAD__)
-inline constexpr bool kThreadSanitizer = true;
-#else
-inline constexpr bool kThreadSanitizer = false;
-#endif
 
 // A storage whose "other holders" the test controls; the forward pass holds it at first.
 using TestStorage = AllocatorStorage;
