@@ -15,24 +15,41 @@
 
 namespace spillway {
 
+// What only some blocks need: streams recorded by record_stream and the trace context gathered
+// when history is on. Kept out of line so that the fields every malloc and free touch fit in one
+// cache line (with 100k live blocks the working set leaves the caches, and every line counts).
+struct BlockExtras {
+  absl::InlinedVector<StreamRef, 1> stream_uses;
+  TraceContext context;
+};
+
 // A contiguous range of one segment. A segment starts as one block and is split and re-merged;
-// `prev`/`next` link the blocks of a segment in address order.
-struct Block {
+// `prev`/`next` link the blocks of a segment in address order. Every block of a segment belongs
+// to the segment's allocation stream, so only its id is kept here (the handle is the segment's).
+struct alignas(64) Block {
   uintptr_t ptr = 0;
   size_t size = 0;
   size_t requested = 0;  // caller's size while allocated
-  StreamRef stream;      // allocation stream: the only stream it is reused on
-  PoolKind pool = PoolKind::kSmall;
+  uint64_t stream = 0;   // StreamRef::id of the allocation stream: the only stream it is reused on
   Block* prev = nullptr;
   Block* next = nullptr;
+  // Created on first use and kept while the Block object is recycled, so a program that records
+  // streams or history allocates these once per Block object, not once per malloc.
+  std::unique_ptr<BlockExtras> extras;
+  int32_t event_count = 0;  // stream-use events still pending after a free
+  PoolKind pool = PoolKind::kSmall;
   bool allocated = false;
-  int event_count = 0;  // stream-use events still pending after a free
-  absl::InlinedVector<StreamRef, 1> stream_uses;
-  TraceContext context;  // gathered at allocation when history is on
 
   bool is_split() const { return prev != nullptr || next != nullptr; }
   bool is_free() const { return !allocated && event_count == 0; }
+  bool has_stream_uses() const { return extras != nullptr && !extras->stream_uses.empty(); }
+  BlockExtras& mutable_extras() {
+    if (extras == nullptr) extras = std::make_unique<BlockExtras>();
+    return *extras;
+  }
+  const TraceContext* context() const { return extras != nullptr ? &extras->context : nullptr; }
 };
+static_assert(sizeof(Block) == 64, "Block's hot fields must fit one cache line");
 
 // Key of a free block. Ordered by (stream, size, address) so that `lower_bound` finds the
 // smallest block of the right stream that fits: best fit in O(log n), no pointer chasing in the
@@ -56,7 +73,7 @@ class FreeIndex {
   FreeIndex() { set_.insert(FreeKey{kSentinelStream, 0, 0, nullptr}); }
 
   void Insert(Block* b) {
-    const FreeKey key{b->stream.id, b->size, b->ptr, b};
+    const FreeKey key{b->stream, b->size, b->ptr, b};
     // A split's remainder and a merge's result usually belong right next to the place the last
     // erase left: try there first (O(1) when right, a normal insert when not).
     if (hint_valid_) {
@@ -67,16 +84,17 @@ class FreeIndex {
     set_.insert(key);
   }
   void Erase(const Block* b) {
-    const auto it = set_.find(FreeKey{b->stream.id, b->size, b->ptr, nullptr});
+    const auto it = set_.find(FreeKey{b->stream, b->size, b->ptr, nullptr});
     hint_valid_ = it != set_.end();
     if (hint_valid_) hint_ = set_.erase(it);
   }
   // Removes and returns the smallest free block on `stream` with size >= `size`, if `accept`
-  // takes it; else null and the index is unchanged. One tree descent for find and erase.
+  // takes its key; else null and the index is unchanged. One tree descent for find and erase.
+  // `accept` sees the key, not the block, so the block's cache miss can overlap the erase.
   template <typename Accept>
   Block* TakeBestFit(uint64_t stream, size_t size, Accept accept) {
     auto it = set_.lower_bound(FreeKey{stream, size, 0, nullptr});
-    if (it == set_.end() || it->stream != stream || !accept(it->block)) return nullptr;
+    if (it == set_.end() || it->stream != stream || !accept(*it)) return nullptr;
     Block* block = it->block;
     hint_ = set_.erase(it);
     hint_valid_ = true;
@@ -108,7 +126,13 @@ class BlockArena {
     return b;
   }
   void Delete(Block* b) {
+    std::unique_ptr<BlockExtras> extras = std::move(b->extras);
+    if (extras != nullptr) {
+      extras->stream_uses.clear();
+      extras->context.reset();
+    }
     *b = Block{};
+    b->extras = std::move(extras);
     free_.push_back(b);
   }
 

@@ -99,8 +99,14 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext contex
 
 Block* DeviceAllocator::FindFree(PoolKind kind, StreamRef stream, size_t size) {
   // The best fit is the smallest candidate; if it breaks an oversize rule so does every larger one.
-  return pool(kind).TakeBestFit(
-      stream.id, size, [&](const Block* b) { return policy_.AcceptsBlock(b->size, size); });
+  return pool(kind).TakeBestFit(stream.id, size, [&](const FreeKey& key) {
+    if (!policy_.AcceptsBlock(key.size, size)) return false;
+    // With many live blocks the block and its allocated_ slot are cache misses; start both now
+    // so they overlap the index erase instead of following it.
+    __builtin_prefetch(key.block, 1);
+    allocated_.Prefetch(key.ptr);
+    return true;
+  });
 }
 
 Block* DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t segment_size) {
@@ -114,9 +120,9 @@ Block* DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t seg
   Block* block = arena_.New();
   block->ptr = reinterpret_cast<uintptr_t>(*memory);
   block->size = segment_size;
-  block->stream = stream;
+  block->stream = stream.id;
   block->pool = kind;
-  segments_[block->ptr] = Segment{segment_size, kind, clock_, block};
+  segments_[block->ptr] = Segment{segment_size, kind, clock_, block, stream};
   ++clock_;
   stats_.segment.Increase(kind, 1);
   stats_.reserved_bytes.Increase(kind, static_cast<int64_t>(segment_size));
@@ -154,37 +160,39 @@ void* DeviceAllocator::UseBlock(Block* block, size_t rounded, size_t requested,
   }
   block->allocated = true;
   block->requested = requested;
-  block->context = std::move(context);
-  allocated_[block->ptr] = block;
+  if (context != nullptr) block->mutable_extras().context = context;
+  allocated_.Insert(block->ptr, block);
   const auto size = static_cast<int64_t>(block->size);
   stats_.allocation.Increase(kind, 1);
   stats_.allocated_bytes.Increase(kind, size);
   stats_.active.Increase(kind, 1);
   stats_.active_bytes.Increase(kind, size);
   stats_.requested_bytes.Increase(kind, static_cast<int64_t>(requested));
-  Trace(TraceAction::kAlloc, block->ptr, block->size, block->stream.id, block->context);
+  Trace(TraceAction::kAlloc, block->ptr, block->size, block->stream, std::move(context));
   return reinterpret_cast<void*>(block->ptr);
 }
 
 bool DeviceAllocator::Free(void* ptr, TraceContext context) {
   std::lock_guard lock(mutex_);
-  auto it = allocated_.find(reinterpret_cast<uintptr_t>(ptr));
-  if (it == allocated_.end()) return false;
-  Block* block = it->second;
-  allocated_.erase(it);
+  Block* block = allocated_.Find(reinterpret_cast<uintptr_t>(ptr));
+  if (block == nullptr) return false;
+  // Merging reads both neighbours: start their cache misses together, ahead of the bookkeeping.
+  __builtin_prefetch(block->prev, 1);
+  __builtin_prefetch(block->next, 1);
+  allocated_.Erase(block->ptr);
   block->allocated = false;
   stats_.allocation.Decrease(block->pool, 1);
   stats_.allocated_bytes.Decrease(block->pool, static_cast<int64_t>(block->size));
-  Trace(TraceAction::kFreeRequested, block->ptr, block->size, block->stream.id, context);
-  if (block->stream_uses.empty()) {
+  Trace(TraceAction::kFreeRequested, block->ptr, block->size, block->stream, std::move(context));
+  if (!block->has_stream_uses()) {
     FreeBlock(block);
     return true;
   }
   // Reuse waits for every other stream that used the block: one event per stream, polled at
   // the next Malloc. If an event cannot be recorded, wait for that stream on the host instead;
   // if even that fails the block is quarantined (never reused) rather than risk corruption.
-  const auto uses = block->stream_uses;
-  block->stream_uses.clear();
+  absl::InlinedVector<StreamRef, 1> uses;
+  uses.swap(block->extras->stream_uses);
   for (const StreamRef& use : uses) {
     EventHandle event = nullptr;
     try {
@@ -212,14 +220,14 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
 }
 
 void DeviceAllocator::FreeBlock(Block* block) {
-  Trace(TraceAction::kFreeCompleted, block->ptr, block->size, block->stream.id, nullptr);
+  Trace(TraceAction::kFreeCompleted, block->ptr, block->size, block->stream, nullptr);
   const PoolKind kind = block->pool;
   FreeIndex& index = pool(kind);
   stats_.active.Decrease(kind, 1);
   stats_.active_bytes.Decrease(kind, static_cast<int64_t>(block->size));
   stats_.requested_bytes.Decrease(kind, static_cast<int64_t>(block->requested));
   block->requested = 0;
-  block->context.reset();
+  if (block->extras != nullptr) block->extras->context.reset();
 
   int64_t net_split_blocks = 0;
   int64_t net_split_bytes = 0;
@@ -267,7 +275,7 @@ bool DeviceAllocator::ReleaseSegment(Block* block) {
   stats_.segment.Decrease(kind, 1);
   stats_.reserved_bytes.Decrease(kind, static_cast<int64_t>(block->size));
   ++stats_.num_device_free;
-  Trace(TraceAction::kSegmentFree, block->ptr, block->size, block->stream.id, nullptr);
+  Trace(TraceAction::kSegmentFree, block->ptr, block->size, block->stream, nullptr);
   arena_.Delete(block);
   return true;
 }
@@ -308,23 +316,25 @@ void DeviceAllocator::GarbageCollect(size_t incoming) {
 
 bool DeviceAllocator::RecordStream(void* ptr, StreamRef stream) {
   std::lock_guard lock(mutex_);
-  auto it = allocated_.find(reinterpret_cast<uintptr_t>(ptr));
-  if (it == allocated_.end()) return false;
-  Block* block = it->second;
-  if (stream.id == block->stream.id) return true;
-  for (const StreamRef& use : block->stream_uses) {
+  Block* block = allocated_.Find(reinterpret_cast<uintptr_t>(ptr));
+  if (block == nullptr) return false;
+  if (stream.id == block->stream) return true;
+  auto& uses = block->mutable_extras().stream_uses;
+  for (const StreamRef& use : uses) {
     if (use.id == stream.id) return true;
   }
-  block->stream_uses.push_back(stream);
+  uses.push_back(stream);
   return true;
 }
 
 std::optional<AllocationInfo> DeviceAllocator::Lookup(const void* ptr) const {
   std::lock_guard lock(mutex_);
-  auto it = allocated_.find(reinterpret_cast<uintptr_t>(ptr));
-  if (it == allocated_.end()) return std::nullopt;
-  const Block* b = it->second;
-  return AllocationInfo{reinterpret_cast<void*>(b->ptr), b->size, b->requested, device_, b->stream};
+  const Block* b = allocated_.Find(reinterpret_cast<uintptr_t>(ptr));
+  if (b == nullptr) return std::nullopt;
+  // Every block of a segment has the segment's stream; the segment holds its handle.
+  const auto segment = std::prev(segments_.upper_bound(b->ptr));
+  return AllocationInfo{reinterpret_cast<void*>(b->ptr), b->size, b->requested, device_,
+                        segment->second.stream};
 }
 
 std::string DeviceAllocator::DescribeForeign(const void* ptr) const {
@@ -421,7 +431,7 @@ std::vector<SegmentSnapshot> DeviceAllocator::SnapshotSegments() const {
     s.device = device_;
     s.address = base;
     s.total_size = segment.size;
-    s.stream = segment.head->stream.id;
+    s.stream = segment.stream.id;
     s.pool = segment.pool;
     for (const Block* b = segment.head; b != nullptr; b = b->next) {
       BlockSnapshot bs;
@@ -431,7 +441,7 @@ std::vector<SegmentSnapshot> DeviceAllocator::SnapshotSegments() const {
       bs.state = b->allocated         ? BlockState::kActiveAllocated
                  : b->event_count > 0 ? BlockState::kActivePendingFree
                                       : BlockState::kInactive;
-      bs.context = b->context;
+      if (const TraceContext* context = b->context()) bs.context = *context;
       if (b->allocated) s.allocated_size += b->size;
       if (bs.state != BlockState::kInactive) s.active_size += b->size;
       s.requested_size += bs.requested_size;

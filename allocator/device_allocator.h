@@ -17,6 +17,7 @@
 
 #include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
+#include "allocator/address_table.h"
 #include "allocator/backend.h"
 #include "allocator/block.h"
 #include "allocator/config.h"
@@ -103,6 +104,7 @@ class DeviceAllocator {
     PoolKind pool;
     int64_t freed_at;  // allocation-clock tick at which it last became wholly free (GC age)
     Block* head;       // first block; merges keep this object, splits keep it at the front
+    StreamRef stream;  // allocation stream of every block in the segment
   };
 
   FreeIndex& pool(PoolKind kind) { return pools_[static_cast<int>(kind)]; }
@@ -135,7 +137,7 @@ class DeviceAllocator {
   mutable std::mutex mutex_;
   FreeIndex pools_[2];
   BlockArena arena_;
-  absl::flat_hash_map<uintptr_t, Block*> allocated_;
+  AddressTable<Block> allocated_;  // live allocations by address
   absl::btree_map<uintptr_t, Segment> segments_;
   absl::flat_hash_map<uint64_t, std::deque<Pending>> pending_;  // by stream id
   std::vector<EventHandle> spare_events_;

@@ -19,7 +19,7 @@ inline constexpr size_t kRoundLarge = size_t{2} << 20;      // ... segment round
 // every rounding computation far from overflow.
 inline constexpr size_t kMaxRequest = size_t{1} << 50;
 
-enum class PoolKind { kSmall = 0, kLarge = 1 };
+enum class PoolKind : uint8_t { kSmall = 0, kLarge = 1 };
 
 class SizePolicy {
  public:
