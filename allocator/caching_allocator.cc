@@ -166,6 +166,8 @@ void CachingAllocator::SetMemoryLimit(size_t bytes, int device) {
 
 size_t CachingAllocator::memory_limit(int device) const { return At(device).memory_limit(); }
 
+double CachingAllocator::memory_fraction(int device) const { return At(device).memory_fraction(); }
+
 DeviceStats CachingAllocator::stats(int device) const { return At(device).stats(); }
 
 void CachingAllocator::ResetPeakStats(int device) { At(device).ResetPeakStats(); }
@@ -190,6 +192,17 @@ void CachingAllocator::RecordHistory(bool enabled, size_t max_entries, ContextGa
   const size_t entries = max_entries == 0 ? config_.history_entries : max_entries;
   for (const auto& device : devices_) device->RecordHistory(enabled, entries);
   recording_.store(enabled, std::memory_order_relaxed);
+}
+
+void CachingAllocator::ClearHistory() {
+  for (const auto& device : devices_) device->ClearHistory();
+}
+
+std::optional<SegmentRange> CachingAllocator::SegmentOf(const void* ptr) const {
+  for (const auto& device : devices_) {
+    if (auto range = device->SegmentOf(ptr)) return range;
+  }
+  return std::nullopt;
 }
 
 Snapshot CachingAllocator::TakeSnapshot() const {

@@ -42,11 +42,14 @@ class CachingAllocator {
   void Free(void* ptr, int device);  // faster when the caller knows the device
   void RecordStream(void* ptr, StreamRef stream);
   std::optional<AllocationInfo> Lookup(const void* ptr) const;
+  // The segment containing `ptr` on any device (PyTorch's getBaseAllocation), or null.
+  std::optional<SegmentRange> SegmentOf(const void* ptr) const;
 
   void EmptyCache();
   void SetMemoryFraction(double fraction, int device);
   void SetMemoryLimit(size_t bytes, int device);
   size_t memory_limit(int device) const;
+  double memory_fraction(int device) const;  // as last set; 0 = none
 
   DeviceStats stats(int device) const;
   std::map<std::string, int64_t> FlatStats(int device) const { return FlattenStats(stats(device)); }
@@ -58,6 +61,9 @@ class CachingAllocator {
   // History. `max_entries` 0 means the configured `history_entries`. The gatherer (may be
   // empty) runs outside every allocator lock at each allocation and free while recording is on.
   void RecordHistory(bool enabled, size_t max_entries = 0, ContextGatherer gatherer = {});
+  bool history_enabled() const { return recording_.load(std::memory_order_relaxed); }
+  // Drops the recorded entries of every device; recording continues if it was on.
+  void ClearHistory();
   Snapshot TakeSnapshot() const;
 
   // Memory pressure: after a Malloc leaves `device`'s allocated bytes above its watermark, the

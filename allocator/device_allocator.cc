@@ -337,6 +337,16 @@ std::optional<AllocationInfo> DeviceAllocator::Lookup(const void* ptr) const {
                         segment->second.stream};
 }
 
+std::optional<SegmentRange> DeviceAllocator::SegmentOf(const void* ptr) const {
+  std::lock_guard lock(mutex_);
+  const auto address = reinterpret_cast<uintptr_t>(ptr);
+  auto it = segments_.upper_bound(address);
+  if (it == segments_.begin()) return std::nullopt;
+  --it;
+  if (address >= it->first + it->second.size) return std::nullopt;
+  return SegmentRange{reinterpret_cast<void*>(it->first), it->second.size, device_};
+}
+
 std::string DeviceAllocator::DescribeForeign(const void* ptr) const {
   std::lock_guard lock(mutex_);
   const auto address = reinterpret_cast<uintptr_t>(ptr);
@@ -388,6 +398,11 @@ size_t DeviceAllocator::memory_limit() const {
   return limit_;
 }
 
+double DeviceAllocator::memory_fraction() const {
+  std::lock_guard lock(mutex_);
+  return memory_fraction_;
+}
+
 DeviceStats DeviceAllocator::stats() const {
   std::lock_guard lock(mutex_);
   return stats_;
@@ -415,6 +430,11 @@ void DeviceAllocator::RecordHistory(bool enabled, size_t max_entries) {
 bool DeviceAllocator::history_enabled() const {
   std::lock_guard lock(mutex_);
   return history_.enabled();
+}
+
+void DeviceAllocator::ClearHistory() {
+  std::lock_guard lock(mutex_);
+  history_.Clear();
 }
 
 std::vector<TraceEntry> DeviceAllocator::history() const {

@@ -49,6 +49,12 @@ struct AllocationInfo {
   StreamRef stream;
 };
 
+struct SegmentRange {
+  void* base = nullptr;
+  size_t size = 0;
+  int device = 0;
+};
+
 class DeviceAllocator {
  public:
   DeviceAllocator(Backend& backend, int device, const AllocatorConfig& config,
@@ -68,6 +74,9 @@ class DeviceAllocator {
   // up to the free has completed. Returns false when `ptr` is not a live allocation here.
   bool RecordStream(void* ptr, StreamRef stream);
   std::optional<AllocationInfo> Lookup(const void* ptr) const;
+  // The segment (one backend allocation) that contains `ptr`, live or free: for PyTorch's
+  // getBaseAllocation. Null when no segment of this device contains it.
+  std::optional<SegmentRange> SegmentOf(const void* ptr) const;
   // What `ptr` is when it is not a live allocation: for error messages.
   std::string DescribeForeign(const void* ptr) const;
 
@@ -75,7 +84,8 @@ class DeviceAllocator {
   // 0 clears the limit. Fractions are of total device memory.
   void SetMemoryFraction(double fraction);
   void SetMemoryLimit(size_t bytes);
-  size_t memory_limit() const;  // 0 = none
+  size_t memory_limit() const;     // 0 = none
+  double memory_fraction() const;  // as last set; 0 = none
 
   DeviceStats stats() const;
   void ResetPeakStats();
@@ -83,6 +93,7 @@ class DeviceAllocator {
 
   void RecordHistory(bool enabled, size_t max_entries);
   bool history_enabled() const;
+  void ClearHistory();
   std::vector<TraceEntry> history() const;
   std::vector<SegmentSnapshot> SnapshotSegments() const;
   // Size of the largest cached free block (PyTorch's cacheInfo).

@@ -9,6 +9,7 @@
 #include "allocator/errors.h"
 #include "allocator/process_allocator.h"
 #include "allocator/sim_backend.h"
+#include "hooks/cuda_allocator.h"
 #include "hooks/runtime.h"
 #include "hooks/saved_tensors.h"
 #include "hooks/snapshot.h"
@@ -75,6 +76,15 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("install", [](const std::string& device, const std::string& conf) {
     tl::Runtime::Get().Install(device, conf);
+  });
+  m.def("has_cuda_allocator", &tl::HasCudaAllocator);
+  m.def("install_cuda_allocator", [] {
+    tl::Runtime& runtime = tl::Runtime::Get();
+    if (runtime.mode() != tl::Mode::kCuda) {
+      throw sw::InvalidArgumentError(
+          "install_cuda_allocator: install Spillway for device \"cuda\" first");
+    }
+    tl::InstallCudaAllocator(runtime.allocator());
   });
   m.def("installed_mode", [] {
     switch (tl::Runtime::Get().mode()) {
@@ -159,7 +169,8 @@ PYBIND11_MODULE(_C, m) {
   // "host_malloc", "copy", "event"; see sim_backend.h).
   m.def("sim_inject_fault", [](const std::string& kind, int64_t n) {
     auto* sim = dynamic_cast<sw::SimBackend*>(&tl::Runtime::Get().allocator().backend());
-    if (sim == nullptr) throw sw::InvalidArgumentError("sim_inject_fault: not on the simulated device");
+    if (sim == nullptr)
+      throw sw::InvalidArgumentError("sim_inject_fault: not on the simulated device");
     if (kind == "device_malloc") {
       sim->fail_device_malloc_after(n);
     } else if (kind == "host_malloc") {

@@ -13,20 +13,12 @@
 #include "allocator/format.h"
 #include "hooks/runtime.h"
 #include "hooks/storage_tools.h"
+#include "hooks/trace_context.h"
 
 namespace py = pybind11;
 
 namespace spillway::torch_layer {
 namespace {
-
-struct Frame {
-  std::string filename;
-  int line;
-  std::string name;
-};
-// Plain C++ strings, no Python objects: a trace entry may be destroyed on any thread, with or
-// without the GIL.
-using Frames = std::vector<Frame>;
 
 constexpr int kMaxFrames = 64;
 
@@ -38,7 +30,8 @@ constexpr int kMaxFrames = 64;
 TraceContext GatherPythonFrames() {
   if (!Py_IsInitialized() || OffloadEngine::InsideEngineOnThisThread()) return nullptr;
   py::gil_scoped_acquire gil;
-  auto frames = std::make_shared<Frames>();
+  auto context = std::make_shared<TorchTraceContext>();
+  std::vector<PythonFrame>* frames = &context->frames;
   PyFrameObject* frame = PyEval_GetFrame();  // borrowed
   Py_XINCREF(frame);
   while (frame != nullptr && static_cast<int>(frames->size()) < kMaxFrames) {
@@ -46,20 +39,20 @@ TraceContext GatherPythonFrames() {
     const char* filename = PyUnicode_AsUTF8(code->co_filename);
     const char* name = PyUnicode_AsUTF8(code->co_name);
     frames->push_back(
-        Frame{filename ? filename : "?", PyFrame_GetLineNumber(frame), name ? name : "?"});
+        PythonFrame{filename ? filename : "?", PyFrame_GetLineNumber(frame), name ? name : "?"});
     Py_DECREF(code);
     PyFrameObject* back = PyFrame_GetBack(frame);  // new reference
     Py_DECREF(frame);
     frame = back;
   }
   Py_XDECREF(frame);
-  return frames;
+  return context;
 }
 
 py::list FramesOf(const TraceContext& context) {
   py::list out;
   if (context == nullptr) return out;
-  for (const Frame& f : *static_cast<const Frames*>(context.get())) {
+  for (const PythonFrame& f : AsTorchContext(context)->frames) {
     py::dict d;
     d["filename"] = f.filename;
     d["line"] = f.line;

@@ -16,3 +16,20 @@
 #define SPILLWAY_ALLOCATE_CONST const
 #define SPILLWAY_HAS_COPY_DATA 0
 #endif
+
+// The c10 CUDA allocator adapter (hooks/cuda_allocator.cc), torch 2.4 and newer. Verified against
+// the torch 2.11 headers; the older spellings follow the release history in
+// ../shared/reference/pytorch-allocator-api.md (section 1.3).
+// shareIpcHandle became a pure virtual with the MemPool work (torch 2.5).
+#define SPILLWAY_TORCH_HAS_SHARE_IPC SPILLWAY_TORCH_AT_LEAST(2, 5)
+// getExpandableSegmentSizes: pure virtual in 2.11 (absent in 2.8; 2.9 and 2.10 not verified).
+#define SPILLWAY_TORCH_HAS_EXPANDABLE_SIZES SPILLWAY_TORCH_AT_LEAST(2, 11)
+// TraceEntry gained a MempoolId_t argument (before the time) in torch 2.8.
+#if SPILLWAY_TORCH_AT_LEAST(2, 8)
+#define SPILLWAY_MAKE_TRACE_ENTRY(action, device, addr, size, stream, mempool, context)       \
+  c10::cuda::CUDACachingAllocator::TraceEntry(action, device, addr, size, stream, mempool, 0, \
+                                              context)
+#else
+#define SPILLWAY_MAKE_TRACE_ENTRY(action, device, addr, size, stream, mempool, context) \
+  c10::cuda::CUDACachingAllocator::TraceEntry(action, device, addr, size, stream, 0, context)
+#endif

@@ -62,7 +62,12 @@ def install(device="cuda", conf=None, capacity_bytes=None):
                         "it before creating any CUDA tensor")
             _C.install("cuda", text)
             if mode == "":
-                torch.cuda.memory.change_current_allocator(pluggable_allocator())
+                if _C.has_cuda_allocator():
+                    # The c10 adapter: torch.cuda.memory_stats, _snapshot and friends all work.
+                    _C.install_cuda_allocator()
+                else:
+                    # Built without a CUDA torch >= 2.4: the C ABI route (no torch-side stats).
+                    torch.cuda.memory.change_current_allocator(pluggable_allocator())
         else:
             _C.install("sim", text)
 

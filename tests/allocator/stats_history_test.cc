@@ -125,5 +125,45 @@ TEST_F(StatsHistoryTest, SnapshotDescribesSegmentsAndBlocks) {
   allocator_->Free(b);
 }
 
+TEST_F(StatsHistoryTest, ClearHistoryDropsEntriesAndKeepsRecording) {
+  EXPECT_FALSE(allocator_->history_enabled());
+  allocator_->RecordHistory(true, 16);
+  EXPECT_TRUE(allocator_->history_enabled());
+  allocator_->Free(Alloc(4096));
+  ASSERT_FALSE(allocator_->TakeSnapshot().device_traces.at(0).empty());
+  allocator_->ClearHistory();
+  EXPECT_TRUE(allocator_->TakeSnapshot().device_traces.at(0).empty());
+  void* p = Alloc(4096);
+  const auto trace = allocator_->TakeSnapshot().device_traces.at(0);
+  ASSERT_EQ(trace.size(), 1u);
+  EXPECT_EQ(trace[0].action, TraceAction::kAlloc);
+  allocator_->Free(p);
+}
+
+TEST_F(StatsHistoryTest, SegmentOfFindsTheContainingSegmentLiveOrFree) {
+  void* a = Alloc(4096);
+  void* b = Alloc(8192);  // same 2 MiB small segment, after `a`
+  const auto range = allocator_->SegmentOf(static_cast<char*>(b) + 100);
+  ASSERT_TRUE(range.has_value());
+  EXPECT_EQ(range->base, a);
+  EXPECT_EQ(range->size, 2 * kMiB);
+  EXPECT_EQ(range->device, 0);
+  allocator_->Free(b);
+  ASSERT_TRUE(allocator_->SegmentOf(b).has_value());  // free blocks still belong to the segment
+  EXPECT_FALSE(allocator_->SegmentOf(static_cast<char*>(a) + 2 * kMiB).has_value());
+  int local = 0;
+  EXPECT_FALSE(allocator_->SegmentOf(&local).has_value());
+  allocator_->Free(a);
+  allocator_->EmptyCache();
+  EXPECT_FALSE(allocator_->SegmentOf(a).has_value());
+}
+
+TEST_F(StatsHistoryTest, MemoryFractionReadsBackAsSet) {
+  EXPECT_EQ(allocator_->memory_fraction(0), 0.0);
+  allocator_->SetMemoryFraction(0.25, 0);
+  EXPECT_EQ(allocator_->memory_fraction(0), 0.25);
+  EXPECT_EQ(allocator_->memory_limit(0), (size_t{512} << 20) / 4);
+}
+
 }  // namespace
 }  // namespace spillway::testing

@@ -53,3 +53,97 @@ def test_views_come_back_exactly_on_cuda():
         print("grad ok", torch.equal(x.grad, expected.repeat(2, 1)))
     """)
     assert "grad ok True" in out
+
+
+# --- the c10 CUDAAllocator adapter (torch >= 2.4 with CUDA): torch.cuda.memory through Spillway ---
+
+needs_adapter = pytest.mark.skipif(
+    not (torch.cuda.is_available() and spillway._C.has_cuda_allocator()),
+    reason="no CUDA device, or this build has no c10 CUDA allocator adapter")
+
+
+@needs_adapter
+def test_torch_cuda_memory_reports_spillway():
+    out = cuda_script("""
+        print("backend", torch.cuda.get_allocator_backend())
+        x = torch.empty(3 << 20, dtype=torch.uint8, device="cuda")
+        ours = spillway.memory_stats()
+        theirs = torch.cuda.memory_stats()
+        print("allocated", torch.cuda.memory_allocated() == ours["allocated_bytes.all.current"])
+        print("reserved", torch.cuda.memory_reserved() == ours["reserved_bytes.all.current"])
+        print("keys", all(k in theirs for k in ("allocation.all.current", "segment.large_pool.peak",
+                                                 "requested_bytes.all.allocated", "num_ooms")))
+        del x
+        torch.cuda.reset_peak_memory_stats()
+        print("peak reset", torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated())
+        torch.cuda.empty_cache()
+        print("emptied", torch.cuda.memory_reserved() == 0)
+        print("fraction", torch.cuda.get_per_process_memory_fraction() == 1.0)
+    """)
+    for line in ("backend spillway", "allocated True", "reserved True", "keys True",
+                 "peak reset True", "emptied True", "fraction True"):
+        assert line in out, out
+
+
+@needs_adapter
+def test_out_of_memory_raises_torch_cuda_oom_with_spillway_message():
+    out = cuda_script("""
+        torch.cuda.set_per_process_memory_fraction(0.01)
+        try:
+            torch.empty(1 << 40, dtype=torch.uint8, device="cuda")
+            print("no error")
+        except torch.cuda.OutOfMemoryError as e:
+            print("oom", "Spillway: out of memory" in str(e))
+    """)
+    assert "oom True" in out, out
+
+
+@needs_adapter
+def test_record_stream_holds_reuse_back_until_the_stream_is_done():
+    out = cuda_script("""
+        side = torch.cuda.Stream()
+        x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        ptr = x.data_ptr()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # keep the side stream busy
+            x.add_(1)
+        x.record_stream(side)
+        del x
+        y = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        print("not reused while pending", y.data_ptr() != ptr)
+        side.synchronize()
+    """)
+    assert "not reused while pending True" in out, out
+
+
+@needs_adapter
+def test_memory_snapshot_and_history_have_python_frames():
+    out = cuda_script("""
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        def make_it():
+            return torch.empty(5 << 20, dtype=torch.uint8, device="cuda")
+        x = make_it()
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        blocks = [b for s in snap["segments"] for b in s["blocks"]
+                  if b["state"] == "active_allocated"]
+        print("block", any(b["size"] >= 5 << 20 for b in blocks))
+        allocs = [e for e in snap["device_traces"][0] if e["action"] == "alloc"]
+        print("frames", any(any(f["name"] == "make_it" for f in e["frames"]) for e in allocs))
+    """)
+    assert "block True" in out and "frames True" in out, out
+
+
+@needs_adapter
+def test_unsupported_features_raise_clear_errors():
+    out = cuda_script("""
+        g = torch.cuda.CUDAGraph()
+        x = torch.ones(4, device="cuda")
+        try:
+            with torch.cuda.graph(g):
+                y = x * 2
+            print("captured")
+        except RuntimeError as e:
+            print("graph error", "does not support private memory pools" in str(e))
+    """)
+    assert "graph error True" in out, out

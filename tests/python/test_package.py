@@ -88,3 +88,11 @@ def test_cuda_install_without_cuda_is_a_clear_error():
     """)
     assert "ERR spillway.install(device='cuda'): this torch has no usable CUDA" in result.stdout, \
         result.stderr
+
+
+def test_cuda_allocator_adapter_needs_a_cuda_install():
+    # Here (simulated device installed) the adapter cannot be installed, whichever build this is.
+    with pytest.raises(Exception, match="install Spillway for device \"cuda\" first|no c10 CUDA"):
+        spillway._C.install_cuda_allocator()
+    if torch.version.cuda is None:
+        assert spillway._C.has_cuda_allocator() is False

@@ -1,0 +1,462 @@
+#include "hooks/cuda_allocator.h"
+
+#include "allocator/errors.h"
+
+#if defined(SPILLWAY_TORCH_CUDA_ALLOCATOR)
+
+#include <c10/core/Allocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "hooks/torch_compat.h"
+#include "hooks/trace_context.h"
+
+namespace spillway::torch_layer {
+namespace {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+using Base = cca::CUDAAllocator;
+
+// The pool id type moved between namespaces across releases (c10::cuda, then c10); every
+// release's releasePool(device, id) takes it, so take it from there.
+template <typename T>
+struct SecondParameter;
+template <typename R, typename C, typename A, typename B>
+struct SecondParameter<R (C::*)(A, B)> {
+  using type = B;
+};
+using MempoolId = SecondParameter<decltype(&Base::releasePool)>::type;
+
+[[noreturn]] void Unsupported(const char* feature) {
+  TORCH_CHECK(false, "Spillway's CUDA allocator does not support ", feature,
+              " yet. Use PyTorch's native allocator for this program (do not call "
+              "spillway.install(), or unset SPILLWAY_ALLOC_CONF / backend:spillway).");
+}
+
+void CheckDefaultPool(const MempoolId& id) {
+  if (id.first != 0 || id.second != 0) {
+    Unsupported("private memory pools (CUDA graphs, torch.cuda.MemPool)");
+  }
+}
+
+c10::DeviceIndex CurrentDevice() {
+  c10::DeviceIndex device = 0;
+  C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
+  return device;
+}
+
+// Wraps torch's own context (a c10::GatheredContext, e.g. a CapturedTraceback) so the core
+// can store it; AsC10Context takes it back out.
+TraceContext WrapC10Context(std::shared_ptr<c10::GatheredContext> context) {
+  if (context == nullptr) return nullptr;
+  auto wrapped = std::make_shared<TorchTraceContext>();
+  wrapped->torch_context = std::move(context);
+  return wrapped;
+}
+
+std::shared_ptr<c10::GatheredContext> AsC10Context(const TraceContext& context) {
+  const TorchTraceContext* t = AsTorchContext(context);
+  if (t == nullptr || t->torch_context == nullptr) return nullptr;
+  // Only WrapC10Context stores a torch_context, and it stores a GatheredContext.
+  return std::static_pointer_cast<c10::GatheredContext>(t->torch_context);
+}
+
+cca::TraceEntry::Action ToC10(TraceAction action) {
+  switch (action) {
+    case TraceAction::kAlloc:
+      return cca::TraceEntry::ALLOC;
+    case TraceAction::kFreeRequested:
+      return cca::TraceEntry::FREE_REQUESTED;
+    case TraceAction::kFreeCompleted:
+      return cca::TraceEntry::FREE_COMPLETED;
+    case TraceAction::kSegmentAlloc:
+      return cca::TraceEntry::SEGMENT_ALLOC;
+    case TraceAction::kSegmentFree:
+      return cca::TraceEntry::SEGMENT_FREE;
+    case TraceAction::kOom:
+      return cca::TraceEntry::OOM;
+    case TraceAction::kSnapshot:
+      return cca::TraceEntry::SNAPSHOT;
+  }
+  return cca::TraceEntry::ALLOC;
+}
+
+template <typename C10StatArray>
+void CopyStatArray(const StatArray& from, C10StatArray& to) {
+  for (size_t i = 0; i < from.by_pool.size(); ++i) {
+    to[i].current = from.by_pool[i].current;
+    to[i].peak = from.by_pool[i].peak;
+    to[i].allocated = from.by_pool[i].allocated;
+    to[i].freed = from.by_pool[i].freed;
+  }
+}
+
+class SpillwayCudaAllocator final : public Base {
+ public:
+  explicit SpillwayCudaAllocator(CachingAllocator& allocator) : alloc_(allocator) {}
+
+  static SpillwayCudaAllocator* instance;
+
+  // --- c10::Allocator ---
+  c10::DataPtr allocate(size_t size) SPILLWAY_ALLOCATE_CONST {
+    const c10::DeviceIndex device = CurrentDevice();
+    void* ptr = Malloc(size, device, c10::cuda::getCurrentCUDAStream(device).stream());
+    return {ptr, ptr, &RawDeleteFn, c10::Device(c10::DeviceType::CUDA, device)};
+  }
+  c10::DeleterFnPtr raw_deleter() const { return &RawDeleteFn; }
+#if SPILLWAY_HAS_COPY_DATA
+  void copy_data(void* dest, const void* src, std::size_t count) const {
+    C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
+  }
+#endif
+
+  // --- raw allocation ---
+  void* raw_alloc(size_t nbytes) {
+    const c10::DeviceIndex device = CurrentDevice();
+    return Malloc(nbytes, device, c10::cuda::getCurrentCUDAStream(device).stream());
+  }
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) {
+    return Malloc(nbytes, CurrentDevice(), stream);
+  }
+  void raw_delete(void* ptr) {
+    if (ptr == nullptr) return;
+    try {
+      alloc_.Free(ptr);
+    } catch (const Error& e) {
+      TORCH_CHECK(false, "Spillway: ", e.what());
+    }
+  }
+
+  // --- lifecycle ---
+  void init(int device_count) {
+    TORCH_CHECK(device_count <= alloc_.device_count(), "Spillway serves ", alloc_.device_count(),
+                " CUDA devices but PyTorch initializes ", device_count);
+    initialized_ = true;
+  }
+  bool initialized() { return initialized_; }
+  void enable(bool value) {
+    if (!value) Unsupported("disabling the caching allocator (enable(false))");
+  }
+  bool isEnabled() const { return true; }
+  std::string name() { return "spillway"; }
+
+  // --- cache and limits ---
+  void emptyCache() { alloc_.EmptyCache(); }
+  void emptyCache(MempoolId id) {
+    CheckDefaultPool(id);
+    alloc_.EmptyCache();
+  }
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) {
+    TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0, "invalid fraction ", fraction,
+                ": expected a value in [0, 1]");
+    Guard([&] { alloc_.SetMemoryFraction(fraction, device); });
+  }
+  double getMemoryFraction(c10::DeviceIndex device) {
+    const double fraction = Guard([&] { return alloc_.memory_fraction(device); });
+    return fraction == 0.0 ? 1.0 : fraction;  // PyTorch reports the whole device as 1.0
+  }
+  void cacheInfo(c10::DeviceIndex device, size_t* largest_block) {
+    // PyTorch's contract: a zero *largest_block asks for a first guess (the device's free bytes),
+    // then the largest cached free block counts if larger.
+    if (*largest_block == 0) {
+      size_t total = 0;
+      c10::cuda::CUDAGuard guard(device);
+      C10_CUDA_CHECK(cudaMemGetInfo(largest_block, &total));
+    }
+    *largest_block =
+        std::max(*largest_block, Guard([&] { return alloc_.LargestFreeBlock(device); }));
+  }
+  void* getBaseAllocation(void* ptr, size_t* size) {
+    const auto range = alloc_.SegmentOf(ptr);
+    TORCH_CHECK(range.has_value(), "Spillway: ", ptr, " is not in memory Spillway allocated");
+    if (size != nullptr) *size = range->size;
+    return range->base;
+  }
+
+  // --- streams ---
+  using Base::recordStream;
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) {
+    // Like PyTorch's: storages not allocated here (null, or another allocator's) are ignored.
+    if (ptr.get() == nullptr || ptr.get_deleter() != &RawDeleteFn) return;
+    Guard([&] {
+      alloc_.RecordStream(ptr.get(),
+                          alloc_.backend().resolve_stream(stream.device_index(), stream.stream()));
+    });
+  }
+
+  // --- statistics ---
+  cca::DeviceStats getDeviceStats(c10::DeviceIndex device) {
+    const DeviceStats s = Guard([&] { return alloc_.stats(device); });
+    cca::DeviceStats out;
+    CopyStatArray(s.allocation, out.allocation);
+    CopyStatArray(s.segment, out.segment);
+    CopyStatArray(s.active, out.active);
+    CopyStatArray(s.inactive_split, out.inactive_split);
+    CopyStatArray(s.allocated_bytes, out.allocated_bytes);
+    CopyStatArray(s.reserved_bytes, out.reserved_bytes);
+    CopyStatArray(s.active_bytes, out.active_bytes);
+    CopyStatArray(s.inactive_split_bytes, out.inactive_split_bytes);
+    CopyStatArray(s.requested_bytes, out.requested_bytes);
+    out.num_alloc_retries = s.num_alloc_retries;
+    out.num_ooms = s.num_ooms;
+    out.num_sync_all_streams = s.num_sync_all_streams;
+    out.num_device_alloc = s.num_device_alloc;
+    out.num_device_free = s.num_device_free;
+    // SIZE_MAX (no limit) reads as -1, as with PyTorch's allocator.
+    out.max_split_size = static_cast<int64_t>(alloc_.config().max_split_size);
+    return out;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex device) {
+    Guard([&] { alloc_.ResetAccumulatedStats(device); });
+  }
+  void resetPeakStats(c10::DeviceIndex device) {
+    Guard([&] { alloc_.ResetPeakStats(device); });
+  }
+
+  // --- history and snapshots ---
+  bool isHistoryEnabled() { return alloc_.history_enabled(); }
+  // torch <= 2.7
+  void recordHistory(bool enabled, cca::CreateContextFn recorder, size_t max_entries,
+                     cca::RecordContext when) {
+    RecordHistory(enabled, recorder, max_entries, when, false, {});
+  }
+  // torch 2.8 - 2.10
+  void recordHistory(bool enabled, cca::CreateContextFn recorder, size_t max_entries,
+                     cca::RecordContext when, bool clear_history) {
+    RecordHistory(enabled, recorder, max_entries, when, clear_history, {});
+  }
+  // torch 2.11
+  void recordHistory(bool enabled, cca::CreateContextFn recorder, size_t max_entries,
+                     cca::RecordContext when, bool clear_history,
+                     const std::vector<std::string>& skip_actions) {
+    RecordHistory(enabled, recorder, max_entries, when, clear_history, skip_actions);
+  }
+  cca::SnapshotInfo snapshot() { return Snapshot(); }
+  cca::SnapshotInfo snapshot(MempoolId id) {
+    CheckDefaultPool(id);
+    return Snapshot();
+  }
+  cca::SnapshotInfo snapshot(MempoolId id, bool /*include_traces*/) {
+    CheckDefaultPool(id);
+    return Snapshot();
+  }
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) {
+    std::lock_guard lock(mutex_);
+    oom_observers_.push_back(std::move(observer));
+  }
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker /*tracker*/) {
+    Unsupported("allocator trace trackers (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK)");
+  }
+
+  // --- what Spillway does not support yet: a clear error naming the feature ---
+  void beginAllocateToPool(c10::DeviceIndex, MempoolId, std::function<bool(cudaStream_t)>) {
+    Unsupported("private memory pools (CUDA graph capture, torch.cuda.MemPool)");
+  }
+  // No pool was ever begun (beginAllocateToPool refuses), so there is nothing to end or release;
+  // PyTorch calls these on cleanup paths, where an exception would terminate.
+  void endAllocateToPool(c10::DeviceIndex, MempoolId) {}
+  void releasePool(c10::DeviceIndex, MempoolId) {}
+  std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) {
+    Unsupported("CUDA IPC (sharing CUDA tensors between processes)");
+  }
+#if SPILLWAY_TORCH_HAS_SHARE_IPC
+  cca::ShareableHandle shareIpcHandle(void* /*ptr*/) {
+    Unsupported("CUDA IPC (sharing CUDA tensors between processes)");
+  }
+#endif
+#if SPILLWAY_TORCH_HAS_EXPANDABLE_SIZES
+  // Spillway has no expandable segments, so there are none to report.
+  std::vector<cca::StreamSegmentSize> getExpandableSegmentSizes(c10::DeviceIndex /*device*/) {
+    return {};
+  }
+#endif
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex, MempoolId) {
+    Unsupported("CUDA graph trees (torch.compile mode=\"reduce-overhead\")");
+  }
+  cca::CheckpointDelta setCheckpointPoolState(c10::DeviceIndex,
+                                              std::shared_ptr<cca::AllocatorState>) {
+    Unsupported("CUDA graph trees (torch.compile mode=\"reduce-overhead\")");
+  }
+
+  // --- peer access and copies (plain cudaMalloc memory: PyTorch's rules apply as is) ---
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) {
+    c10::cuda::CUDAGuard guard(dev);
+    const cudaError_t err = cudaDeviceEnablePeerAccess(dev_to_access, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();  // clear the sticky-free error state
+      return;
+    }
+    C10_CUDA_CHECK(err);
+  }
+  cudaError_t memcpyAsync(void* dst, int dst_device, const void* src, int src_device, size_t count,
+                          cudaStream_t stream, bool p2p_enabled) {
+    if (p2p_enabled || dst_device == src_device) {
+      return cudaMemcpyAsync(dst, src, count, cudaMemcpyDeviceToDevice, stream);
+    }
+    return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, count, stream);
+  }
+
+ private:
+  static void RawDeleteFn(void* ptr) { instance->raw_delete(ptr); }
+
+  // Core errors become torch errors; OutOfMemoryError becomes c10::OutOfMemoryError, which
+  // Python raises as torch.cuda.OutOfMemoryError.
+  template <typename Fn>
+  auto Guard(Fn fn) -> decltype(fn()) {
+    try {
+      return fn();
+    } catch (const OutOfMemoryError& e) {
+      NotifyOom(e.device());
+      C10_THROW_ERROR(OutOfMemoryError, e.what());
+    } catch (const Error& e) {
+      TORCH_CHECK(false, "Spillway: ", e.what());
+    }
+  }
+
+  void* Malloc(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
+    return Guard([&] { return alloc_.Malloc(size, device, static_cast<StreamHandle>(stream)); });
+  }
+
+  void NotifyOom(int device) {
+    std::vector<cca::OutOfMemoryObserver> observers;
+    {
+      std::lock_guard lock(mutex_);
+      observers = oom_observers_;
+    }
+    if (observers.empty()) return;
+    const DeviceStats s = alloc_.stats(device);
+    const MemInfo info = alloc_.backend().mem_info(device);
+    for (const auto& observer : observers) {
+      observer(device, static_cast<size_t>(s.allocated_bytes.all().current), info.total_bytes,
+               info.free_bytes);
+    }
+  }
+
+  void RecordHistory(bool enabled, cca::CreateContextFn recorder, size_t max_entries,
+                     cca::RecordContext when, bool clear_history,
+                     const std::vector<std::string>& skip_actions) {
+    ContextGatherer gatherer;
+    if (enabled && recorder != nullptr && when != cca::RecordContext::NEVER) {
+      gatherer = [recorder] { return WrapC10Context(recorder()); };
+    }
+    {
+      std::lock_guard lock(mutex_);
+      skip_actions_ = std::unordered_set<std::string>(skip_actions.begin(), skip_actions.end());
+    }
+    Guard([&] { alloc_.RecordHistory(enabled, max_entries, std::move(gatherer)); });
+    if (clear_history) alloc_.ClearHistory();
+  }
+
+  cca::SnapshotInfo Snapshot() {
+    const spillway::Snapshot snap = alloc_.TakeSnapshot();
+    std::unordered_set<std::string> skip;
+    {
+      std::lock_guard lock(mutex_);
+      skip = skip_actions_;
+    }
+    cca::SnapshotInfo out;
+    for (const SegmentSnapshot& s : snap.segments) {
+      cca::SegmentInfo seg;
+      seg.device = static_cast<c10::DeviceIndex>(s.device);
+      seg.address = s.address;
+      seg.total_size = s.total_size;
+      seg.requested_size = s.requested_size;
+      seg.allocated_size = s.allocated_size;
+      seg.active_size = s.active_size;
+      // Streams are named by Spillway's stream ids (the viewer only labels with them).
+      seg.stream = reinterpret_cast<decltype(seg.stream)>(static_cast<uintptr_t>(s.stream));
+      seg.is_large = s.pool == PoolKind::kLarge;
+      for (const BlockSnapshot& b : s.blocks) {
+        cca::BlockInfo block;
+        block.size = b.size;
+        block.requested_size = b.requested_size;
+        block.allocated = b.state == BlockState::kActiveAllocated;
+        block.active = b.state != BlockState::kInactive;
+        block.context_when_allocated = AsC10Context(b.context);
+        seg.blocks.push_back(std::move(block));
+      }
+      out.segments.push_back(std::move(seg));
+    }
+    for (size_t device = 0; device < snap.device_traces.size(); ++device) {
+      std::vector<cca::TraceEntry> trace;
+      for (const TraceEntry& e : snap.device_traces[device]) {
+        if (skip.contains(std::string(TraceActionName(e.action)))) continue;
+        trace.push_back(SPILLWAY_MAKE_TRACE_ENTRY(
+            ToC10(e.action), static_cast<c10::DeviceIndex>(device), e.addr, e.size,
+            reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(e.stream)), MempoolId{0, 0},
+            AsC10Context(e.context)));
+        // PyTorch's snapshot() hands out times already converted to microseconds in t_.
+        trace.back().time_.t_ = static_cast<time_t>(e.time_us);
+      }
+      out.device_traces.push_back(std::move(trace));
+    }
+    const AllocatorConfig& config = alloc_.config();
+    out.config_metadata.garbage_collection_threshold = config.garbage_collection_threshold;
+    out.config_metadata.max_split_size = config.max_split_size;
+    out.config_metadata.expandable_segments = false;
+    out.config_metadata.last_allocator_settings = "backend:spillway";
+    return out;
+  }
+
+  CachingAllocator& alloc_;
+  bool initialized_ = false;
+  std::mutex mutex_;
+  std::vector<cca::OutOfMemoryObserver> oom_observers_;
+  std::unordered_set<std::string> skip_actions_;
+};
+
+SpillwayCudaAllocator* SpillwayCudaAllocator::instance = nullptr;
+
+}  // namespace
+
+bool HasCudaAllocator() { return true; }
+
+void InstallCudaAllocator(CachingAllocator& allocator) {
+  static std::mutex mutex;
+  std::lock_guard lock(mutex);
+  if (SpillwayCudaAllocator::instance != nullptr) return;  // installed already: a no-op
+  Base* current = cca::allocator.load();
+  if (current != nullptr && current->initialized()) {
+    throw InvalidArgumentError(
+        "spillway: CUDA is already initialized, so PyTorch's CUDA allocator (" + current->name() +
+        ") is in use and cannot be replaced; install Spillway before creating any CUDA tensor "
+        "(or set SPILLWAY_ALLOC_CONF before starting Python)");
+  }
+  // Leaked on purpose: tensors may be freed during interpreter shutdown.
+  SpillwayCudaAllocator::instance = std::make_unique<SpillwayCudaAllocator>(allocator).release();
+  cca::allocator.store(SpillwayCudaAllocator::instance);
+  // Code that asks c10 for the CUDA allocator by device type (c10::GetAllocator, and
+  // c10::getDeviceAllocator in newer torch) must see the same one.
+  c10::SetAllocator(c10::DeviceType::CUDA, SpillwayCudaAllocator::instance, /*priority=*/255);
+}
+
+}  // namespace spillway::torch_layer
+
+#else  // no CUDA torch >= 2.4 in this build
+
+namespace spillway::torch_layer {
+
+bool HasCudaAllocator() { return false; }
+
+void InstallCudaAllocator(CachingAllocator& /*allocator*/) {
+  throw InvalidArgumentError(
+      "this build of Spillway has no c10 CUDA allocator adapter (it needs a CUDA build of torch "
+      "2.4 or newer at build time); use spillway.pluggable_allocator() instead");
+}
+
+}  // namespace spillway::torch_layer
+
+#endif

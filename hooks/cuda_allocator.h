@@ -1,0 +1,26 @@
+// Spillway as PyTorch's CUDA allocator: a c10::cuda::CUDACachingAllocator::CUDAAllocator over the
+// core allocator, installed into the atomic that torch.cuda.memory.change_current_allocator sets.
+// Through it torch.cuda.memory works as with the native allocator: memory_allocated/reserved,
+// memory_stats, reset_peak_memory_stats, empty_cache, set_per_process_memory_fraction,
+// Tensor.record_stream, memory._snapshot() and _record_memory_history (torch's own stack
+// recorder), and out-of-memory raises torch.cuda.OutOfMemoryError with Spillway's message.
+//
+// Built only against a CUDA build of torch 2.4 or newer (torch 1.13 has no CUDAAllocator class).
+// The class's member set changed in almost every torch release (see torch_compat.h); the members
+// below carry no `override` on purpose: each is declared in the spelling of every release that
+// had it, and whichever spellings the torch at hand declares virtual are the ones that override.
+// A release that adds a pure virtual we do not declare fails to compile here, loudly.
+#pragma once
+
+#include "allocator/caching_allocator.h"
+
+namespace spillway::torch_layer {
+
+// True when this build contains the adapter (a CUDA torch >= 2.4).
+bool HasCudaAllocator();
+// Stores the adapter over `allocator` as PyTorch's CUDA allocator (process lifetime). Throws
+// InvalidArgumentError when CUDA was already initialized (PyTorch's allocator is then in use and
+// cannot be swapped) or when this build has no adapter.
+void InstallCudaAllocator(CachingAllocator& allocator);
+
+}  // namespace spillway::torch_layer
