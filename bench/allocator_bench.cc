@@ -28,6 +28,7 @@
 #include "allocator/caching_allocator.h"
 #include "allocator/config.h"
 #include "allocator/sim_backend.h"
+#include "bench/trace_file.h"
 #if defined(SPILLWAY_HAVE_CUDA)
 #include "allocator/cuda_backend.h"
 #endif
@@ -154,30 +155,6 @@ void TwoThreads(benchmark::State& state, Kind kind, size_t size) {
   state.SetItemsProcessed(state.iterations());
 }
 
-// An allocation trace recorded from the training-step benchmark (bench/traces/*.trace, written
-// by train_step.py --trace): `a ID SIZE STREAM` allocates, `f ID` frees.
-struct TraceOp {
-  bool alloc;
-  size_t id;
-  size_t size;
-};
-
-std::vector<TraceOp> LoadTrace(const std::string& path) {
-  std::ifstream in(path);
-  std::vector<TraceOp> ops;
-  std::string kind;
-  while (in >> kind) {
-    TraceOp op{kind == "a", 0, 0};
-    in >> op.id;
-    if (op.alloc) {
-      uint64_t stream = 0;
-      in >> op.size >> stream;  // recorded stream ids are the recording process's: replay on one
-    }
-    ops.push_back(op);
-  }
-  return ops;
-}
-
 // Replays a recorded trace: time per operation, and fragmentation = 1 - peak allocated / peak
 // reserved (the comparable figure for PyTorch's native allocator comes from the GPU script).
 void TraceReplay(benchmark::State& state, Kind kind, const std::string& path) {
@@ -186,9 +163,7 @@ void TraceReplay(benchmark::State& state, Kind kind, const std::string& path) {
     state.SkipWithError(("no operations in " + path).c_str());
     return;
   }
-  size_t max_id = 0;
-  for (const TraceOp& op : ops) max_id = std::max(max_id, op.id);
-  std::vector<void*> ptrs(max_id + 1, nullptr);
+  std::vector<void*> ptrs(MaxTraceId(ops) + 1, nullptr);
   double fragmentation = 0;
   for (auto _ : state) {
     state.PauseTiming();

@@ -52,11 +52,7 @@ void CheckDefaultPool(const MempoolId& id) {
   }
 }
 
-c10::DeviceIndex CurrentDevice() {
-  c10::DeviceIndex device = 0;
-  C10_CUDA_CHECK(c10::cuda::GetDevice(&device));
-  return device;
-}
+c10::DeviceIndex CurrentDevice() { return c10::cuda::current_device(); }
 
 // Wraps torch's own context (a c10::GatheredContext, e.g. a CapturedTraceback) so the core
 // can store it; AsC10Context takes it back out.
@@ -390,13 +386,14 @@ class SpillwayCudaAllocator final : public Base {
       }
       out.segments.push_back(std::move(seg));
     }
+    const MempoolId default_pool{0, 0};
     for (size_t device = 0; device < snap.device_traces.size(); ++device) {
       std::vector<cca::TraceEntry> trace;
       for (const TraceEntry& e : snap.device_traces[device]) {
         if (skip.contains(std::string(TraceActionName(e.action)))) continue;
         trace.push_back(SPILLWAY_MAKE_TRACE_ENTRY(
             ToC10(e.action), static_cast<c10::DeviceIndex>(device), e.addr, e.size,
-            reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(e.stream)), MempoolId{0, 0},
+            reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(e.stream)), default_pool,
             AsC10Context(e.context)));
         // PyTorch's snapshot() hands out times already converted to microseconds in t_.
         trace.back().time_.t_ = static_cast<time_t>(e.time_us);
@@ -424,23 +421,30 @@ SpillwayCudaAllocator* SpillwayCudaAllocator::instance = nullptr;
 
 bool HasCudaAllocator() { return true; }
 
-void InstallCudaAllocator(CachingAllocator& allocator) {
+c10::Allocator* CudaAllocatorAdapter(CachingAllocator& allocator) {
   static std::mutex mutex;
   std::lock_guard lock(mutex);
-  if (SpillwayCudaAllocator::instance != nullptr) return;  // installed already: a no-op
+  if (SpillwayCudaAllocator::instance == nullptr) {
+    // Leaked on purpose: tensors may be freed during interpreter shutdown.
+    SpillwayCudaAllocator::instance = std::make_unique<SpillwayCudaAllocator>(allocator).release();
+  }
+  return SpillwayCudaAllocator::instance;
+}
+
+void InstallCudaAllocator(CachingAllocator& allocator) {
+  auto* ours = static_cast<SpillwayCudaAllocator*>(CudaAllocatorAdapter(allocator));
   Base* current = cca::allocator.load();
+  if (current == ours) return;  // installed already: a no-op
   if (current != nullptr && current->initialized()) {
     throw InvalidArgumentError(
         "spillway: CUDA is already initialized, so PyTorch's CUDA allocator (" + current->name() +
         ") is in use and cannot be replaced; install Spillway before creating any CUDA tensor "
         "(or set SPILLWAY_ALLOC_CONF before starting Python)");
   }
-  // Leaked on purpose: tensors may be freed during interpreter shutdown.
-  SpillwayCudaAllocator::instance = std::make_unique<SpillwayCudaAllocator>(allocator).release();
-  cca::allocator.store(SpillwayCudaAllocator::instance);
+  cca::allocator.store(ours);
   // Code that asks c10 for the CUDA allocator by device type (c10::GetAllocator, and
   // c10::getDeviceAllocator in newer torch) must see the same one.
-  c10::SetAllocator(c10::DeviceType::CUDA, SpillwayCudaAllocator::instance, /*priority=*/255);
+  c10::SetAllocator(c10::DeviceType::CUDA, ours, /*priority=*/255);
 }
 
 }  // namespace spillway::torch_layer
@@ -451,11 +455,17 @@ namespace spillway::torch_layer {
 
 bool HasCudaAllocator() { return false; }
 
-void InstallCudaAllocator(CachingAllocator& /*allocator*/) {
+namespace {
+[[noreturn]] void NoAdapter() {
   throw InvalidArgumentError(
       "this build of Spillway has no c10 CUDA allocator adapter (it needs a CUDA build of torch "
       "2.4 or newer at build time); use spillway.pluggable_allocator() instead");
 }
+}  // namespace
+
+void InstallCudaAllocator(CachingAllocator& /*allocator*/) { NoAdapter(); }
+
+c10::Allocator* CudaAllocatorAdapter(CachingAllocator& /*allocator*/) { NoAdapter(); }
 
 }  // namespace spillway::torch_layer
 

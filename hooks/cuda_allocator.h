@@ -14,6 +14,10 @@
 
 #include "allocator/caching_allocator.h"
 
+namespace c10 {
+struct Allocator;
+}  // namespace c10
+
 namespace spillway::torch_layer {
 
 // True when this build contains the adapter (a CUDA torch >= 2.4).
@@ -22,5 +26,10 @@ bool HasCudaAllocator();
 // InvalidArgumentError when CUDA was already initialized (PyTorch's allocator is then in use and
 // cannot be swapped) or when this build has no adapter.
 void InstallCudaAllocator(CachingAllocator& allocator);
+// The adapter over `allocator` (a c10::cuda::CUDACachingAllocator::CUDAAllocator), created on
+// first call, process lifetime, not installed by this call: the native-vs-Spillway benchmark
+// drives it next to PyTorch's own. Later calls return the same adapter whatever `allocator`.
+// Throws InvalidArgumentError when this build has no adapter.
+c10::Allocator* CudaAllocatorAdapter(CachingAllocator& allocator);
 
 }  // namespace spillway::torch_layer

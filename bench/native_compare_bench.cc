@@ -1,0 +1,164 @@
+// PyTorch's native CUDA caching allocator and Spillway's, side by side in one process, both
+// driven through c10's allocator interface (what every CUDA tensor allocation goes through):
+// `allocate` returns a DataPtr whose deleter frees; `recordStream` marks a side stream.
+//
+//  - CachedMallocFree/<allocator>/4KiB: a malloc+free pair from the cache. Time per pair.
+//  - RandomAllocations/<allocator>/<live>: RMM-style churn with 1k/10k/100k live allocations of
+//    1 B .. 64 KiB; per_op is time per operation (a free or a malloc).
+//  - MultiStreamRecordStream/<allocator>/64KiB: malloc, record_stream on a second stream, free.
+//  - TraceReplay/<allocator>/<trace>: the traces in bench/traces/; per-op time and fragmentation
+//    (1 - peak allocated / peak reserved, from the allocator's own getDeviceStats).
+//
+// <allocator> is "native" or "spillway"; bench/compare_native.py turns the JSON output into a
+// table of both columns and their ratio. Built only against a CUDA torch >= 2.4; needs a GPU.
+#include <benchmark/benchmark.h>
+#include <c10/core/Allocator.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "allocator/config.h"
+#include "allocator/process_allocator.h"
+#include "bench/trace_file.h"
+#include "hooks/cuda_allocator.h"
+
+namespace spillway {
+namespace {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+
+constexpr size_t kKiB = size_t{1} << 10;
+
+benchmark::Counter PerOp(double ops) {
+  return benchmark::Counter(
+      ops, benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+}
+
+void CachedMallocFree(benchmark::State& state, cca::CUDAAllocator* alloc, size_t size) {
+  { c10::DataPtr warm = alloc->allocate(size); }
+  for (auto _ : state) {
+    c10::DataPtr p = alloc->allocate(size);
+    benchmark::DoNotOptimize(p.get());
+  }
+  state.SetItemsProcessed(state.iterations());
+}
+
+void RandomAllocations(benchmark::State& state, cca::CUDAAllocator* alloc, size_t live) {
+  constexpr size_t kDraws = size_t{1} << 16;
+  std::mt19937_64 rng(42);
+  std::uniform_int_distribution<size_t> size_dist(1, 64 * kKiB);
+  std::uniform_int_distribution<size_t> victim_dist(0, live - 1);
+  std::vector<size_t> sizes(kDraws), victims(kDraws);
+  for (size_t i = 0; i < kDraws; ++i) {
+    sizes[i] = size_dist(rng);
+    victims[i] = victim_dist(rng);
+  }
+  std::vector<c10::DataPtr> ptrs(live);
+  for (size_t i = 0; i < live; ++i) ptrs[i] = alloc->allocate(sizes[i % kDraws]);
+  size_t n = 0;
+  for (auto _ : state) {
+    c10::DataPtr& slot = ptrs[victims[n % kDraws]];
+    slot.clear();  // the free
+    slot = alloc->allocate(sizes[(n * 7 + 1) % kDraws]);
+    ++n;
+  }
+  state.SetItemsProcessed(2 * static_cast<int64_t>(state.iterations()));
+  state.counters["per_op"] = PerOp(2);
+  ptrs.clear();
+  alloc->emptyCache();
+}
+
+void MultiStreamRecordStream(benchmark::State& state, cca::CUDAAllocator* alloc, size_t size) {
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+  for (auto _ : state) {
+    c10::DataPtr p = alloc->allocate(size);
+    alloc->recordStream(p, side);
+  }
+  state.SetItemsProcessed(state.iterations());
+  side.synchronize();
+  alloc->emptyCache();
+}
+
+void TraceReplay(benchmark::State& state, cca::CUDAAllocator* alloc, const std::string& path) {
+  const std::vector<TraceOp> ops = LoadTrace(path);
+  if (ops.empty()) {
+    state.SkipWithError(("no operations in " + path).c_str());
+    return;
+  }
+  std::vector<c10::DataPtr> ptrs(MaxTraceId(ops) + 1);
+  double fragmentation = 0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    alloc->emptyCache();
+    alloc->resetPeakStats(0);
+    state.ResumeTiming();
+    for (const TraceOp& op : ops) {
+      if (op.alloc) {
+        ptrs[op.id] = alloc->allocate(op.size);
+      } else {
+        ptrs[op.id].clear();
+      }
+    }
+    state.PauseTiming();
+    const auto stats = alloc->getDeviceStats(0);
+    fragmentation = 1.0 - static_cast<double>(stats.allocated_bytes[0].peak) /
+                              static_cast<double>(stats.reserved_bytes[0].peak);
+    for (c10::DataPtr& p : ptrs) p.clear();
+    state.ResumeTiming();
+  }
+  state.SetItemsProcessed(static_cast<int64_t>(state.iterations() * ops.size()));
+  state.counters["per_op"] = PerOp(static_cast<double>(ops.size()));
+  state.counters["fragmentation"] = fragmentation;
+}
+
+void RegisterAll(const std::string& name, cca::CUDAAllocator* alloc) {
+  benchmark::RegisterBenchmark(("CachedMallocFree/" + name + "/4KiB").c_str(), CachedMallocFree,
+                               alloc, 4 * kKiB);
+  for (size_t live : {size_t{1000}, size_t{10000}, size_t{100000}}) {
+    benchmark::RegisterBenchmark(("RandomAllocations/" + name + "/" + std::to_string(live)).c_str(),
+                                 RandomAllocations, alloc, live);
+  }
+  benchmark::RegisterBenchmark(("MultiStreamRecordStream/" + name + "/64KiB").c_str(),
+                               MultiStreamRecordStream, alloc, 64 * kKiB);
+  for (const char* trace : {"tiny_lm_no_offload", "tiny_lm_eager"}) {
+    const std::string path = std::string(SPILLWAY_TRACE_DIR) + "/" + trace + ".trace";
+    benchmark::RegisterBenchmark(("TraceReplay/" + name + "/" + trace).c_str(), TraceReplay, alloc,
+                                 path)
+        ->Unit(benchmark::kMicrosecond);
+  }
+}
+
+}  // namespace
+}  // namespace spillway
+
+int main(int argc, char** argv) {
+  namespace cca = c10::cuda::CUDACachingAllocator;
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  const int devices = c10::cuda::device_count();
+  if (devices == 0) {
+    std::fprintf(stderr, "native_compare_bench: no CUDA device\n");
+    return 1;
+  }
+  // PyTorch's own allocator, as installed at start-up; nothing here replaces it. A C++ program
+  // that links only c10 has no lazy CUDA init, so initialize both allocators here.
+  cca::CUDAAllocator* native = cca::get();
+  if (!native->initialized()) native->init(devices);
+  spillway::Config config;
+  config.device = spillway::DeviceKind::kCuda;
+  spillway::ConfigureProcessAllocator(config);
+  auto* ours = dynamic_cast<cca::CUDAAllocator*>(
+      spillway::torch_layer::CudaAllocatorAdapter(spillway::ProcessAllocator()));
+  ours->init(devices);
+  spillway::RegisterAll("native", native);
+  spillway::RegisterAll("spillway", ours);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
