@@ -14,7 +14,7 @@ extern "C" {
 #endif
 
 /* cudaStream_t without including CUDA headers: both are an opaque pointer. */
-typedef void* spillway_stream_t;
+typedef void* spillway_stream_t;  // NOLINT(modernize-use-using): a C header
 
 /* Signatures as CUDAPluggableAllocator expects them (alloc_fn_name / free_fn_name). */
 void* spillway_malloc(size_t size, int device, spillway_stream_t stream);

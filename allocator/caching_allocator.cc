@@ -20,8 +20,8 @@ std::string_view BlockStateName(BlockState state) {
   return "inactive";
 }
 
-CachingAllocator::CachingAllocator(std::shared_ptr<Backend> backend, AllocatorConfig config)
-    : backend_(std::move(backend)), config_(std::move(config)) {
+CachingAllocator::CachingAllocator(std::shared_ptr<Backend> backend, const AllocatorConfig& config)
+    : backend_(std::move(backend)), config_(config) {
   if (backend_ == nullptr) throw InvalidArgumentError("CachingAllocator needs a backend, got null");
   const int count = backend_->device_count();
   devices_.reserve(static_cast<size_t>(count));

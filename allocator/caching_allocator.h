@@ -27,7 +27,7 @@ namespace spillway {
 
 class CachingAllocator {
  public:
-  CachingAllocator(std::shared_ptr<Backend> backend, AllocatorConfig config);
+  CachingAllocator(std::shared_ptr<Backend> backend, const AllocatorConfig& config);
   CachingAllocator(const CachingAllocator&) = delete;
   CachingAllocator& operator=(const CachingAllocator&) = delete;
 

@@ -28,8 +28,8 @@ class InvalidArgumentError : public Error {
 // message carries requested bytes, device, allocated, reserved, limit, free and largest free block.
 class OutOfMemoryError : public Error {
  public:
-  OutOfMemoryError(std::string message, size_t requested_bytes, int device)
-      : Error(std::move(message)), requested_bytes_(requested_bytes), device_(device) {}
+  OutOfMemoryError(const std::string& message, size_t requested_bytes, int device)
+      : Error(message), requested_bytes_(requested_bytes), device_(device) {}
   size_t requested_bytes() const { return requested_bytes_; }
   int device() const { return device_; }
 

@@ -166,8 +166,11 @@ class SimBackend : public Backend {
   struct Event;
 
   struct FreeDeleter {
+    // Simulated memory comes from std::aligned_alloc, which std::free releases.
+    // NOLINTNEXTLINE(cppcoreguidelines-no-malloc,cppcoreguidelines-owning-memory)
     void operator()(void* p) const { std::free(p); }
   };
+
   using AlignedMemory = std::unique_ptr<void, FreeDeleter>;
 
   struct DeviceAllocation {

@@ -66,13 +66,15 @@ void ConfigureOffload(const std::string& policy, int64_t budget_bytes, double bu
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "Spillway's torch layer (C++).";
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const sw::InvalidArgumentError& e) {
-      PyErr_SetString(PyExc_ValueError, e.what());
-    }
-  });
+  // pybind11 takes translators as void(*)(std::exception_ptr): by value, as it requires.
+  py::register_exception_translator(
+      [](std::exception_ptr p) {  // NOLINT(performance-unnecessary-value-param)
+        try {
+          if (p) std::rethrow_exception(p);
+        } catch (const sw::InvalidArgumentError& e) {
+          PyErr_SetString(PyExc_ValueError, e.what());
+        }
+      });
 
   m.def("install", [](const std::string& device, const std::string& conf) {
     tl::Runtime::Get().Install(device, conf);

@@ -79,7 +79,7 @@ std::string_view OffloadEventName(OffloadEvent::Kind kind);
 class OffloadEngine {
  public:
   // Registers itself with `allocator` for the out-of-memory rescue and the budget watermark.
-  OffloadEngine(CachingAllocator& allocator, OffloadConfig config);
+  OffloadEngine(CachingAllocator& allocator, const OffloadConfig& config);
   ~OffloadEngine();
   OffloadEngine(const OffloadEngine&) = delete;
   OffloadEngine& operator=(const OffloadEngine&) = delete;

@@ -71,6 +71,8 @@ size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool incl
   uint64_t window_start = next_seq_;
   if (!include_window) {
     size_t window = 0;
+    // Newest first. An iterator loop: absl::btree_map is not a std::ranges range under clang.
+    // NOLINTNEXTLINE(modernize-loop-convert)
     for (auto it = by_seq_.rbegin(); it != by_seq_.rend(); ++it) {
       if (it->second->device != device) continue;
       window += it->second->nbytes;
