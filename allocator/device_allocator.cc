@@ -17,7 +17,6 @@ DeviceAllocator::DeviceAllocator(Backend& backend, int device, const AllocatorCo
       policy_(config),
       gc_threshold_(config.garbage_collection_threshold),
       callbacks_(std::move(callbacks)),
-      total_memory_(backend.mem_info(device).total_bytes),
       memory_fraction_(config.per_process_memory_fraction),
       memory_limit_bytes_(config.memory_limit_bytes) {
   limit_ = ComputeLimit();
@@ -41,11 +40,18 @@ DeviceAllocator::~DeviceAllocator() {
   }
 }
 
+size_t DeviceAllocator::TotalMemory() const {
+  // Asked only when a fraction is set: on CUDA the query creates the device's context, and a
+  // process that never uses a device (one rank per GPU) must not get a context on it.
+  if (total_memory_ == 0) total_memory_ = backend_.mem_info(device_).total_bytes;
+  return total_memory_;
+}
+
 size_t DeviceAllocator::ComputeLimit() const {
   size_t limit = memory_limit_bytes_;
   if (memory_fraction_ > 0.0) {
     const auto from_fraction =
-        static_cast<size_t>(memory_fraction_ * static_cast<double>(total_memory_));
+        static_cast<size_t>(memory_fraction_ * static_cast<double>(TotalMemory()));
     limit = limit == 0 ? from_fraction : std::min(limit, from_fraction);
   }
   return limit;

@@ -137,13 +137,14 @@ class DeviceAllocator {
   [[noreturn]] void ThrowOutOfMemory(size_t requested, size_t rounded);
   size_t LargestFreeBlockLocked() const;
   size_t ComputeLimit() const;
+  size_t TotalMemory() const;
 
   Backend& backend_;
   const int device_;
   const SizePolicy policy_;
   const double gc_threshold_;
   const FreeMemoryCallbacksFn callbacks_;
-  const size_t total_memory_;
+  mutable size_t total_memory_ = 0;  // fetched on first need (TotalMemory); guarded by mutex_
 
   mutable std::mutex mutex_;
   FreeIndex pools_[2];

@@ -1,4 +1,6 @@
 // Statistics (PyTorch's names and meanings, resets) and the history ring.
+#include <map>
+#include <memory>
 #include <string>
 
 #include "tests/allocator/sim_fixture.h"
@@ -163,6 +165,34 @@ TEST_F(StatsHistoryTest, MemoryFractionReadsBackAsSet) {
   allocator_->SetMemoryFraction(0.25, 0);
   EXPECT_EQ(allocator_->memory_fraction(0), 0.25);
   EXPECT_EQ(allocator_->memory_limit(0), (size_t{512} << 20) / 4);
+}
+
+// On CUDA, asking for a device's memory creates its context: an allocator serving one GPU of
+// many (one process per rank) must not ask about the others unless a fraction needs it.
+class CountingSimBackend : public SimBackend {
+ public:
+  using SimBackend::SimBackend;
+  MemInfo mem_info(int device) override {
+    ++mem_info_calls[device];
+    return SimBackend::mem_info(device);
+  }
+  std::map<int, int> mem_info_calls;
+};
+
+TEST(DeviceMemoryQueries, OnlyWhenAFractionNeedsTheTotal) {
+  SimBackend::Options options;
+  options.devices = 4;
+  options.capacity_bytes = 64 * kMiB;
+  auto backend = std::make_shared<CountingSimBackend>(options);
+  CachingAllocator allocator(backend, AllocatorConfig{});
+  allocator.Free(allocator.Malloc(4096, 1, backend->default_stream(1)));
+  EXPECT_TRUE(backend->mem_info_calls.empty());
+  allocator.SetMemoryFraction(0.5, 2);
+  EXPECT_EQ(backend->mem_info_calls[2], 1);
+  EXPECT_EQ(allocator.memory_limit(2), 32 * kMiB);
+  allocator.SetMemoryFraction(0.25, 2);  // the total is asked once
+  EXPECT_EQ(backend->mem_info_calls[2], 1);
+  EXPECT_EQ(backend->mem_info_calls.count(0) + backend->mem_info_calls.count(3), 0u);
 }
 
 }  // namespace
