@@ -83,6 +83,10 @@ void CachingAllocator::SetPressureHandler(PressureHandler handler) {
 
 void CachingAllocator::SetWatermark(int device, size_t bytes) { At(device).SetWatermark(bytes); }
 
+void CachingAllocator::SetWatermarkFraction(int device, double fraction) {
+  At(device).SetWatermarkFraction(fraction);
+}
+
 void* CachingAllocator::Malloc(size_t size, int device, StreamHandle stream) {
   At(device);  // validate before asking the backend about the stream
   return Malloc(size, device, backend_->resolve_stream(device, stream));

@@ -72,6 +72,9 @@ class CachingAllocator {
   using PressureHandler = std::function<void(int device)>;
   void SetPressureHandler(PressureHandler handler);
   void SetWatermark(int device, size_t bytes);
+  // A fraction in (0, 1] of the device's limit (total memory without one), resolved when the
+  // device first reserves memory: see DeviceAllocator::SetWatermarkFraction.
+  void SetWatermarkFraction(int device, double fraction);
 
   // Told of StreamErrors (failed asynchronous work found while processing stream uses), outside
   // every allocator lock. The offload engine uses it to fail the copies it had in flight.

@@ -40,6 +40,38 @@ DeviceAllocator::~DeviceAllocator() {
   }
 }
 
+void DeviceAllocator::SetWatermark(size_t bytes) {
+  std::lock_guard lock(mutex_);
+  watermark_fraction_ = 0.0;
+  watermark_.store(bytes, std::memory_order_relaxed);
+}
+
+void DeviceAllocator::SetWatermarkFraction(double fraction) {
+  if (!(fraction > 0.0 && fraction <= 1.0)) {
+    throw InvalidArgumentError(absl::StrFormat(
+        "watermark fraction %g for device %d is out of range: expected a value in (0, 1]", fraction,
+        device_));
+  }
+  std::lock_guard lock(mutex_);
+  watermark_fraction_ = fraction;
+  ResolveWatermark();
+}
+
+void DeviceAllocator::ResolveWatermark() {
+  if (watermark_fraction_ == 0.0) return;
+  size_t base = limit_;
+  if (base == 0) {
+    // Until the device reserves memory nothing is allocated on it, so no pressure is missed.
+    if (segments_.empty()) {
+      watermark_.store(std::numeric_limits<size_t>::max(), std::memory_order_relaxed);
+      return;
+    }
+    base = TotalMemory();
+  }
+  watermark_.store(static_cast<size_t>(watermark_fraction_ * static_cast<double>(base)),
+                   std::memory_order_relaxed);
+}
+
 size_t DeviceAllocator::TotalMemory() const {
   // Asked only when a fraction is set: on CUDA the query creates the device's context, and a
   // process that never uses a device (one rank per GPU) must not get a context on it.
@@ -134,6 +166,7 @@ Block* DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t seg
   stats_.reserved_bytes.Increase(kind, static_cast<int64_t>(segment_size));
   ++stats_.num_device_alloc;
   Trace(TraceAction::kSegmentAlloc, block->ptr, segment_size, stream.id, nullptr);
+  if (segments_.size() == 1) ResolveWatermark();  // the device's first memory: see SetWatermark
   return block;
 }
 
@@ -391,12 +424,14 @@ void DeviceAllocator::SetMemoryFraction(double fraction) {
   std::lock_guard lock(mutex_);
   memory_fraction_ = fraction;
   limit_ = ComputeLimit();
+  ResolveWatermark();
 }
 
 void DeviceAllocator::SetMemoryLimit(size_t bytes) {
   std::lock_guard lock(mutex_);
   memory_limit_bytes_ = bytes;
   limit_ = ComputeLimit();
+  ResolveWatermark();
 }
 
 size_t DeviceAllocator::memory_limit() const {

@@ -66,8 +66,12 @@ class DeviceAllocator {
   // `size` in [1, kMaxRequest]. Throws OutOfMemoryError when the ladder is exhausted. Sets
   // `*over_watermark` when allocated bytes exceed the watermark after this allocation.
   void* Malloc(size_t size, StreamRef stream, TraceContext context, bool* over_watermark);
-  // Allocated-bytes level above which Malloc reports pressure (the offload engine's budget).
-  void SetWatermark(size_t bytes) { watermark_.store(bytes, std::memory_order_relaxed); }
+  // Allocated-bytes level above which Malloc reports pressure (the offload engine's budget):
+  // `bytes`, or `fraction` of the device's limit (of its total memory when it has no limit).
+  // A fraction is resolved once the device has reserved memory, so a device nobody allocates on
+  // is never asked for its total (on CUDA that would create its context).
+  void SetWatermark(size_t bytes);
+  void SetWatermarkFraction(double fraction);
   // Returns false (and changes nothing) when `ptr` is not a live allocation of this device.
   bool Free(void* ptr, TraceContext context);
   // Marks `ptr` as used by `stream`: when freed it is reused only after work enqueued on `stream`
@@ -137,6 +141,7 @@ class DeviceAllocator {
   [[noreturn]] void ThrowOutOfMemory(size_t requested, size_t rounded);
   size_t LargestFreeBlockLocked() const;
   size_t ComputeLimit() const;
+  void ResolveWatermark();
   size_t TotalMemory() const;
 
   Backend& backend_;
@@ -160,6 +165,7 @@ class DeviceAllocator {
   size_t limit_ = 0;   // effective: min of the two when set, 0 = none
   int64_t clock_ = 0;  // counts segment allocations, ages free segments for GC
   std::atomic<size_t> watermark_{std::numeric_limits<size_t>::max()};
+  double watermark_fraction_ = 0.0;  // 0: watermark_ is in bytes as set
   std::vector<StreamError> stream_errors_;
   std::atomic<bool> has_stream_errors_{false};
 };

@@ -147,9 +147,15 @@ size_t OffloadEngine::budget_bytes(int device) const {
 
 void OffloadEngine::UpdateWatermarks() {
   for (int d = 0; d < allocator_.device_count(); ++d) {
-    allocator_.SetWatermark(d, config_.policy == OffloadPolicy::kAuto
-                                   ? budget_bytes(d)
-                                   : std::numeric_limits<size_t>::max());
+    if (config_.policy != OffloadPolicy::kAuto) {
+      allocator_.SetWatermark(d, std::numeric_limits<size_t>::max());
+    } else if (config_.budget_bytes != 0) {
+      allocator_.SetWatermark(d, config_.budget_bytes);
+    } else {
+      // The same budget as budget_bytes(d), resolved by the allocator on the device's first
+      // memory: asking every device for its total here would create a CUDA context on each.
+      allocator_.SetWatermarkFraction(d, config_.budget_fraction);
+    }
   }
 }
 

@@ -4,10 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 
 #include "allocator/caching_allocator.h"
 #include "allocator/sim_backend.h"
+#include "tests/counting_sim_backend.h"
 
 namespace spillway::testing {
 

@@ -2,7 +2,9 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "allocator/errors.h"
 #include "tests/allocator/sim_fixture.h"
 
 namespace spillway::testing {
@@ -167,18 +169,6 @@ TEST_F(StatsHistoryTest, MemoryFractionReadsBackAsSet) {
   EXPECT_EQ(allocator_->memory_limit(0), (size_t{512} << 20) / 4);
 }
 
-// On CUDA, asking for a device's memory creates its context: an allocator serving one GPU of
-// many (one process per rank) must not ask about the others unless a fraction needs it.
-class CountingSimBackend : public SimBackend {
- public:
-  using SimBackend::SimBackend;
-  MemInfo mem_info(int device) override {
-    ++mem_info_calls[device];
-    return SimBackend::mem_info(device);
-  }
-  std::map<int, int> mem_info_calls;
-};
-
 TEST(DeviceMemoryQueries, OnlyWhenAFractionNeedsTheTotal) {
   SimBackend::Options options;
   options.devices = 4;
@@ -193,6 +183,29 @@ TEST(DeviceMemoryQueries, OnlyWhenAFractionNeedsTheTotal) {
   allocator.SetMemoryFraction(0.25, 2);  // the total is asked once
   EXPECT_EQ(backend->mem_info_calls[2], 1);
   EXPECT_EQ(backend->mem_info_calls.count(0) + backend->mem_info_calls.count(3), 0u);
+}
+
+TEST(DeviceMemoryQueries, AFractionWatermarkResolvesOnTheDevicesFirstMemory) {
+  SimBackend::Options options;
+  options.devices = 3;
+  options.capacity_bytes = 64 * kMiB;
+  auto backend = std::make_shared<CountingSimBackend>(options);
+  CachingAllocator allocator(backend, AllocatorConfig{});
+  std::vector<int> pressured;
+  allocator.SetPressureHandler([&](int device) { pressured.push_back(device); });
+  for (int d = 0; d < 3; ++d) allocator.SetWatermarkFraction(d, 0.25);  // 16 MiB
+  EXPECT_TRUE(backend->mem_info_calls.empty());
+  const StreamRef stream = backend->default_stream(1);
+  void* a = allocator.Malloc(12 * kMiB, 1, stream);
+  EXPECT_EQ(backend->mem_info_calls[1], 1);
+  EXPECT_TRUE(pressured.empty());
+  void* b = allocator.Malloc(8 * kMiB, 1, stream);  // 20 MiB allocated > 16 MiB
+  EXPECT_EQ(pressured, std::vector<int>{1});
+  EXPECT_EQ(backend->mem_info_calls.size(), 1u);  // devices 0 and 2 were never asked
+  allocator.Free(a);
+  allocator.Free(b);
+  EXPECT_THROW(allocator.SetWatermarkFraction(0, 0.0), InvalidArgumentError);
+  EXPECT_THROW(allocator.SetWatermarkFraction(0, 1.5), InvalidArgumentError);
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
 // Each policy's contract, the out-of-memory rescue and prefetch.
+#include "tests/counting_sim_backend.h"
 #include "tests/offload/engine_fixture.h"
 
 namespace spillway::testing {
@@ -185,6 +186,26 @@ TEST_F(OffloadPolicyTest, OffloadPrefetchRescueNeverSpillsTheEntryBeingAcquired)
   EXPECT_EQ(ptr, newer->data());
   EXPECT_EQ(ReadOn(compute_, ptr, 24 * kMiB), Pattern(24 * kMiB, 2));
   allocator_->Free(filler);
+}
+
+// One process per GPU is the common case: an auto budget must not ask the other devices for their
+// memory (on CUDA the question creates a context on each).
+TEST(OffloadBudget, OffloadAutoAsksOnlyTheDevicesInUse) {
+  SimBackend::Options options;
+  options.devices = 3;
+  options.capacity_bytes = 64 * kMiB;
+  auto backend = std::make_shared<CountingSimBackend>(options);
+  CachingAllocator allocator(backend, AllocatorConfig{});
+  OffloadConfig config;
+  config.policy = OffloadPolicy::kAuto;
+  config.budget_fraction = 0.5;
+  OffloadEngine engine(allocator, config);
+  EXPECT_TRUE(backend->mem_info_calls.empty());
+  void* p = allocator.Malloc(4 * kMiB, 2, backend->default_stream(2));
+  EXPECT_EQ(backend->mem_info_calls.size(), 1u);
+  EXPECT_EQ(backend->mem_info_calls.count(2), 1u);
+  EXPECT_EQ(engine.budget_bytes(2), 32 * kMiB);
+  allocator.Free(p);
 }
 
 }  // namespace
