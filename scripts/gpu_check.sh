@@ -49,6 +49,9 @@ torch_line=$(grep '^torch' "$out/env.txt")
 record "environment" INFO "${gpu:-no GPU}, driver ${driver:-?}; $torch_line"
 
 # --- dependencies: the system's, else build-deps/ from scripts/gpu_deps ------------------------
+# torch's CMake configuration looks for the CUDA toolkit's nvcc.
+[ -x /usr/local/cuda/bin/nvcc ] && export PATH="/usr/local/cuda/bin:$PATH" \
+  CUDAToolkit_ROOT=${CUDAToolkit_ROOT:-/usr/local/cuda}
 deps=$root/build-deps/prefix/usr
 prefix_path=""
 if [ -d "$deps" ]; then
