@@ -23,6 +23,7 @@
 
 #include "hooks/torch_compat.h"
 #include "hooks/trace_context.h"
+#include "offload/engine.h"
 
 namespace spillway::torch_layer {
 namespace {
@@ -346,7 +347,13 @@ class SpillwayCudaAllocator final : public Base {
                      const std::vector<std::string>& skip_actions) {
     ContextGatherer gatherer;
     if (enabled && recorder != nullptr && when != cca::RecordContext::NEVER) {
-      gatherer = [recorder] { return WrapC10Context(recorder()); };
+      gatherer = [recorder]() -> TraceContext {
+        // torch's recorder takes the GIL for Python frames. Reloads allocate under the offload
+        // engine's lock, where waiting for the GIL could deadlock against a Python thread that
+        // waits for the engine: those allocations carry no context (as in snapshot.cc).
+        if (OffloadEngine::InsideEngineOnThisThread()) return nullptr;
+        return WrapC10Context(recorder());
+      };
     }
     {
       std::lock_guard lock(mutex_);

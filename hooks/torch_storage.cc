@@ -1,5 +1,6 @@
 #include "hooks/torch_storage.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
 #include "allocator/errors.h"
@@ -17,6 +18,9 @@ void* TorchStorage::allocate_device_memory(StreamRef /*stream*/) {
   // the engine passes; going through it gives the memory the deleter PyTorch expects.
   c10::Allocator* allocator = storage_.unsafeGetStorageImpl()->allocator();
   TORCH_CHECK(allocator != nullptr, "spillway: a spilled storage has no allocator to reload with");
+  // CUDA allocators allocate on the current device: make it the storage's own, whichever device
+  // the unpacking thread has current.
+  const c10::DeviceGuard device_guard(storage_.device());
   c10::DataPtr memory;
   try {
     memory = allocator->allocate(storage_.nbytes());
