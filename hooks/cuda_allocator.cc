@@ -47,10 +47,12 @@ using MempoolId = SecondParameter<decltype(&Base::releasePool)>::type;
               "spillway.install(), or unset SPILLWAY_ALLOC_CONF / backend:spillway).");
 }
 
+[[noreturn]] void UnsupportedPools() {
+  Unsupported("private memory pools (CUDA graph capture, torch.cuda.MemPool)");
+}
+
 void CheckDefaultPool(const MempoolId& id) {
-  if (id.first != 0 || id.second != 0) {
-    Unsupported("private memory pools (CUDA graphs, torch.cuda.MemPool)");
-  }
+  if (id.first != 0 || id.second != 0) UnsupportedPools();
 }
 
 c10::DeviceIndex CurrentDevice() { return c10::cuda::current_device(); }
@@ -260,7 +262,21 @@ class SpillwayCudaAllocator final : public Base {
 
   // --- what Spillway does not support yet: a clear error naming the feature ---
   void beginAllocateToPool(c10::DeviceIndex, MempoolId, std::function<bool(cudaStream_t)>) {
-    Unsupported("private memory pools (CUDA graph capture, torch.cuda.MemPool)");
+    UnsupportedPools();
+  }
+  // The pool bookkeeping of MemPool and CUDA graphs, in every release's spelling (each a default
+  // that names the call, or absent, in PyTorch's base class): the same clear error.
+  void ensureExistsAndIncrefPool(c10::DeviceIndex, MempoolId) { UnsupportedPools(); }
+  void createOrIncrefPool(c10::DeviceIndex, MempoolId, Base* /*allocator*/) { UnsupportedPools(); }
+  void createOrIncrefPool(c10::DeviceIndex, MempoolId, std::shared_ptr<Base> /*allocator*/) {
+    UnsupportedPools();
+  }
+  int getPoolUseCount(c10::DeviceIndex, MempoolId) { UnsupportedPools(); }
+  void setUseOnOOM(c10::DeviceIndex, MempoolId) { UnsupportedPools(); }
+  void setUseOnOOM(c10::DeviceIndex, MempoolId, bool) { UnsupportedPools(); }
+  void setNoSplit(c10::DeviceIndex, MempoolId) { UnsupportedPools(); }
+  bool checkPoolLiveAllocations(c10::DeviceIndex, MempoolId, const std::unordered_set<void*>&) {
+    UnsupportedPools();
   }
   // No pool was ever begun (beginAllocateToPool refuses), so there is nothing to end or release;
   // PyTorch calls these on cleanup paths, where an exception would terminate.
