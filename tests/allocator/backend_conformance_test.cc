@@ -241,7 +241,7 @@ TYPED_TEST(BackendConformanceTest, HostToDeviceToDeviceToHostRoundTripPreservesB
 TYPED_TEST(BackendConformanceTest, StreamRunsOpsInFifoOrder) {
   Backend& backend = this->backend();
   UniqueStream stream(backend, 0);
-  constexpr size_t kBytes = 256 * 1024;
+  constexpr size_t kBytes = size_t{256} * 1024;
 
   // A chain where each copy reads what the previous one wrote: any reordering reads garbage.
   constexpr int kLinks = 8;
@@ -250,6 +250,7 @@ TYPED_TEST(BackendConformanceTest, StreamRunsOpsInFifoOrder) {
   FillPattern(src.data(), kBytes, 42);
   std::memset(out.data(), 0, kBytes);
   std::vector<UniqueDeviceBuffer> chain;
+  chain.reserve(kLinks);
   for (int i = 0; i < kLinks; ++i) chain.push_back(this->DeviceBuffer(kBytes));
   backend.memcpy_async(0, chain[0].data(), src.data(), kBytes, CopyKind::kHostToDevice,
                        stream.handle());
@@ -289,7 +290,7 @@ TYPED_TEST(BackendConformanceTest, QueryDoesNotBlockAndSynchronizeWaitsForCaptur
   Backend& backend = this->backend();
   UniqueStream stream(backend, 0);
   UniqueEvent event(backend, 0);
-  constexpr size_t kBytes = 64 * 1024;
+  constexpr size_t kBytes = size_t{64} * 1024;
   UniqueHostBuffer src = this->HostBuffer(kBytes);
   UniqueHostBuffer dst = this->HostBuffer(kBytes);
   UniqueDeviceBuffer device = this->DeviceBuffer(kBytes);
@@ -330,7 +331,7 @@ TYPED_TEST(BackendConformanceTest, StreamWaitEventOrdersConsumerAfterSlowProduce
   UniqueStream producer(backend, 0);
   UniqueStream consumer(backend, 0);
   UniqueEvent produced(backend, 0);
-  constexpr size_t kBytes = 512 * 1024;
+  constexpr size_t kBytes = size_t{512} * 1024;
   UniqueHostBuffer src = this->HostBuffer(kBytes);
   UniqueHostBuffer out = this->HostBuffer(kBytes);
   UniqueDeviceBuffer a = this->DeviceBuffer(kBytes);
@@ -407,7 +408,7 @@ TYPED_TEST(BackendConformanceTest, NullHandleResolvesToDefaultStream) {
 
 TYPED_TEST(BackendConformanceTest, EventOutlivesTheStreamItWasRecordedOn) {
   Backend& backend = this->backend();
-  constexpr size_t kBytes = 64 * 1024;
+  constexpr size_t kBytes = size_t{64} * 1024;
   UniqueHostBuffer src = this->HostBuffer(kBytes);
   UniqueHostBuffer dst = this->HostBuffer(kBytes);
   UniqueDeviceBuffer device = this->DeviceBuffer(kBytes);
@@ -905,6 +906,7 @@ TEST(SimBackendTest, ConcurrentAllocationsCopiesAndEventsAreSafe) {
   constexpr size_t kBytes = 4096;
   std::atomic<int> mismatches{0};
   std::vector<std::thread> threads;
+  threads.reserve(kThreads);
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       const int device = t % 2;
@@ -942,7 +944,8 @@ TEST(SimBackendTest, ConcurrentAllocationsCopiesAndEventsAreSafe) {
   EXPECT_EQ(backend.bytes_in_use(1), 0u);
   EXPECT_EQ(backend.host_bytes_in_use(), 0u);
   EXPECT_EQ(backend.num_copies(), int64_t{kThreads} * kIterations * 3);
-  EXPECT_EQ(backend.bytes_copied(CopyKind::kHostToDevice), kThreads * kIterations * kBytes);
+  EXPECT_EQ(backend.bytes_copied(CopyKind::kHostToDevice),
+            static_cast<size_t>(kThreads) * kIterations * kBytes);
 }
 
 TEST(SimBackendTest, DestructorJoinsWorkersAndReleasesEverythingStillOwned) {

@@ -318,6 +318,8 @@ TEST(AllocatorStressTest, FourThreadsSharedAndOwnStreams) {
   {
     std::vector<std::unique_ptr<Worker>> workers;
     std::vector<std::thread> threads;
+    workers.reserve(kThreads);
+    threads.reserve(kThreads);
     for (int t = 0; t < kThreads; ++t) workers.push_back(std::make_unique<Worker>(shared, t));
     for (int t = 0; t < kThreads; ++t) threads.emplace_back([&w = *workers[t]] { w.Run(); });
     for (std::thread& t : threads) t.join();

@@ -19,6 +19,7 @@
 
 namespace spillway::testing {
 
+inline constexpr size_t kKiB = size_t{1} << 10;
 inline constexpr size_t kMiB = size_t{1} << 20;
 
 // A storage whose "other holders" the test controls; the forward pass holds it at first.

@@ -117,7 +117,8 @@ TEST_F(OffloadIntegrity, ConcurrentForwardAndBackwardThreads) {
   // what the first has published.
   constexpr int kCount = 200;
   std::vector<std::shared_ptr<TestStorage>> all;
-  for (int i = 0; i < kCount; ++i) all.push_back(NewStorage(64 * 1024, static_cast<uint32_t>(i)));
+  all.reserve(kCount);
+  for (int i = 0; i < kCount; ++i) all.push_back(NewStorage(64 * kKiB, static_cast<uint32_t>(i)));
   storages_.clear();
   std::vector<std::atomic<KeeperId>> ids(kCount);
   std::atomic<int> published{0};

@@ -24,7 +24,7 @@ TEST_F(OffloadPolicyTest, OffloadEagerSpillsEveryEligibleEntryByForwardEnd) {
     saved.push_back(NewStorage(2 * kMiB, i));
     Save(saved.back());
   }
-  auto small = NewStorage(64 * 1024, 99);  // below offload_min_kb
+  auto small = NewStorage(64 * kKiB, 99);  // below offload_min_kb
   Save(small);
   auto held = saved[3];  // still used by the program
   for (auto& s : saved) s->holders = 0;

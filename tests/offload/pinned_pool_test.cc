@@ -63,6 +63,7 @@ TEST(OffloadPinnedPool, ReusesBufferAcrossSteps) {
   std::vector<void*> first_step;
   for (int step = 0; step < 50; ++step) {
     std::vector<void*> buffers;
+    buffers.reserve(step_sizes.size());
     for (size_t bytes : step_sizes) buffers.push_back(Take(pool, bytes));
     if (step == 0) first_step = buffers;
     EXPECT_EQ(buffers, first_step) << "step " << step << " did not reuse the cached buffers";
@@ -453,6 +454,7 @@ TEST(OffloadPinnedPool, MultiThreadedSmoke) {
   constexpr int kThreads = 4;
   constexpr int kTagsPerThread = 50;  // 4 * 50 tags fit in a byte
   std::vector<std::thread> threads;
+  threads.reserve(kThreads);
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&pool, &backend, t] {
       UniqueStream stream(backend, 0);
