@@ -121,6 +121,7 @@ class DeviceAllocator {
     Block* head;       // first block; merges keep this object, splits keep it at the front
     StreamRef stream;  // allocation stream of every block in the segment
   };
+  using SegmentMap = absl::btree_map<uintptr_t, Segment>;
 
   FreeIndex& pool(PoolKind kind) { return pools_[static_cast<int>(kind)]; }
   Block* FindFree(PoolKind kind, StreamRef stream, size_t size);
@@ -141,6 +142,8 @@ class DeviceAllocator {
   [[noreturn]] void ThrowOutOfMemory(size_t requested, size_t rounded);
   size_t LargestFreeBlockLocked() const;
   size_t ComputeLimit() const;
+  // The segment whose range holds `address`, or segments_.end().
+  SegmentMap::const_iterator SegmentContaining(uintptr_t address) const;
   void ResolveWatermark();
   size_t TotalMemory() const;
 
@@ -155,7 +158,7 @@ class DeviceAllocator {
   FreeIndex pools_[2];
   BlockArena arena_;
   AddressTable<Block> allocated_;  // live allocations by address
-  absl::btree_map<uintptr_t, Segment> segments_;
+  SegmentMap segments_;
   absl::flat_hash_map<uint64_t, std::deque<Pending>> pending_;  // by stream id
   std::vector<EventHandle> spare_events_;
   DeviceStats stats_;

@@ -8,12 +8,19 @@
 #include "allocator/sim_backend.h"
 
 namespace spillway {
+namespace {
+
+// The fail_*_after controls count down to the Nth call; -1 switches them off.
+void CheckCountdown(const char* control, int64_t n) {
+  if (n < 1 && n != -1) {
+    throw InvalidArgumentError(absl::StrFormat("%s: n must be >= 1 or -1, got %d", control, n));
+  }
+}
+
+}  // namespace
 
 void SimBackend::fail_device_malloc_after(int64_t n) {
-  if (n < 1 && n != -1) {
-    throw InvalidArgumentError(
-        absl::StrFormat("fail_device_malloc_after: n must be >= 1 or -1, got %d", n));
-  }
+  CheckCountdown("fail_device_malloc_after", n);
   std::lock_guard<std::mutex> lock(mu_);
   device_malloc_countdown_ = n;
 }
@@ -27,18 +34,13 @@ void SimBackend::fail_host_malloc(int64_t n) {
 }
 
 void SimBackend::fail_copy_after(int64_t n) {
-  if (n < 1 && n != -1) {
-    throw InvalidArgumentError(absl::StrFormat("fail_copy_after: n must be >= 1 or -1, got %d", n));
-  }
+  CheckCountdown("fail_copy_after", n);
   std::lock_guard<std::mutex> lock(mu_);
   copy_countdown_ = n;
 }
 
 void SimBackend::fail_event_after(int64_t n) {
-  if (n < 1 && n != -1) {
-    throw InvalidArgumentError(
-        absl::StrFormat("fail_event_after: n must be >= 1 or -1, got %d", n));
-  }
+  CheckCountdown("fail_event_after", n);
   std::lock_guard<std::mutex> lock(mu_);
   event_countdown_ = n;
 }

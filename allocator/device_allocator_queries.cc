@@ -1,0 +1,139 @@
+// DeviceAllocator's read-side: what a pointer is, statistics, history and snapshots. The
+// allocation paths (malloc, free, split/merge, stream uses, limits) are in device_allocator.cc.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_format.h"
+#include "allocator/device_allocator.h"
+
+namespace spillway {
+
+std::optional<AllocationInfo> DeviceAllocator::Lookup(const void* ptr) const {
+  std::lock_guard lock(mutex_);
+  const Block* b = allocated_.Find(reinterpret_cast<uintptr_t>(ptr));
+  if (b == nullptr) return std::nullopt;
+  // Every block of a segment has the segment's stream; the segment holds its handle.
+  const auto segment = SegmentContaining(b->ptr);
+  return AllocationInfo{reinterpret_cast<void*>(b->ptr), b->size, b->requested, device_,
+                        segment->second.stream};
+}
+
+DeviceAllocator::SegmentMap::const_iterator DeviceAllocator::SegmentContaining(
+    uintptr_t address) const {
+  auto it = segments_.upper_bound(address);
+  if (it == segments_.begin()) return segments_.end();
+  --it;
+  return address < it->first + it->second.size ? it : segments_.end();
+}
+
+std::optional<SegmentRange> DeviceAllocator::SegmentOf(const void* ptr) const {
+  std::lock_guard lock(mutex_);
+  const auto it = SegmentContaining(reinterpret_cast<uintptr_t>(ptr));
+  if (it == segments_.end()) return std::nullopt;
+  return SegmentRange{reinterpret_cast<void*>(it->first), it->second.size, device_};
+}
+
+std::string DeviceAllocator::DescribeForeign(const void* ptr) const {
+  std::lock_guard lock(mutex_);
+  const auto address = reinterpret_cast<uintptr_t>(ptr);
+  const auto it = SegmentContaining(address);
+  if (it == segments_.end()) return "";
+  const Segment& segment = it->second;
+  for (const Block* b = segment.head; b != nullptr; b = b->next) {
+    if (address < b->ptr || address >= b->ptr + b->size) continue;
+    if (address != b->ptr) {
+      return absl::StrFormat("%p points %d bytes into the %s block at %#x on device %d", ptr,
+                             address - b->ptr, b->allocated ? "allocated" : "free", b->ptr,
+                             device_);
+    }
+    return absl::StrFormat(
+        "%p is a %s block on device %d (double free, or a pointer freed already)", ptr,
+        b->event_count > 0 ? "free block awaiting stream events" : "free", device_);
+  }
+  return "";
+}
+
+DeviceStats DeviceAllocator::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+void DeviceAllocator::ResetPeakStats() {
+  std::lock_guard lock(mutex_);
+  stats_.ResetPeak();
+}
+
+void DeviceAllocator::ResetAccumulatedStats() {
+  std::lock_guard lock(mutex_);
+  stats_.ResetAccumulated();
+}
+
+void DeviceAllocator::RecordHistory(bool enabled, size_t max_entries) {
+  std::lock_guard lock(mutex_);
+  if (enabled) {
+    history_.Enable(max_entries);
+  } else {
+    history_.Disable();
+  }
+}
+
+bool DeviceAllocator::history_enabled() const {
+  std::lock_guard lock(mutex_);
+  return history_.enabled();
+}
+
+void DeviceAllocator::ClearHistory() {
+  std::lock_guard lock(mutex_);
+  history_.Clear();
+}
+
+std::vector<TraceEntry> DeviceAllocator::history() const {
+  std::lock_guard lock(mutex_);
+  return history_.Entries();
+}
+
+std::vector<SegmentSnapshot> DeviceAllocator::SnapshotSegments() const {
+  std::lock_guard lock(mutex_);
+  std::vector<SegmentSnapshot> out;
+  out.reserve(segments_.size());
+  for (const auto& [base, segment] : segments_) {
+    SegmentSnapshot s;
+    s.device = device_;
+    s.address = base;
+    s.total_size = segment.size;
+    s.stream = segment.stream.id;
+    s.pool = segment.pool;
+    for (const Block* b = segment.head; b != nullptr; b = b->next) {
+      BlockSnapshot bs;
+      bs.address = b->ptr;
+      bs.size = b->size;
+      bs.requested_size = b->allocated || b->event_count > 0 ? b->requested : 0;
+      bs.state = b->allocated         ? BlockState::kActiveAllocated
+                 : b->event_count > 0 ? BlockState::kActivePendingFree
+                                      : BlockState::kInactive;
+      if (const TraceContext* context = b->context()) bs.context = *context;
+      if (b->allocated) s.allocated_size += b->size;
+      if (bs.state != BlockState::kInactive) s.active_size += b->size;
+      s.requested_size += bs.requested_size;
+      s.blocks.push_back(std::move(bs));
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+size_t DeviceAllocator::LargestFreeBlock() const {
+  std::lock_guard lock(mutex_);
+  return LargestFreeBlockLocked();
+}
+
+size_t DeviceAllocator::LargestFreeBlockLocked() const {
+  size_t largest = 0;
+  for (const FreeIndex& index : pools_) {
+    index.ForEach([&](const Block* b) { largest = std::max(largest, b->size); });
+  }
+  return largest;
+}
+
+}  // namespace spillway
