@@ -370,6 +370,7 @@ void DeviceAllocator::EmptyCache() {
   std::lock_guard lock(mutex_);
   ProcessEventsLocked();
   ReleaseCachedSegments(std::numeric_limits<size_t>::max());
+  for (FreeIndex& index : pools_) index.PruneEmpty();
 }
 
 void DeviceAllocator::SetMemoryFraction(double fraction) {

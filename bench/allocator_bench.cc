@@ -20,7 +20,6 @@
 #include <cstdint>
 #include <fstream>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -28,6 +27,7 @@
 #include "allocator/caching_allocator.h"
 #include "allocator/config.h"
 #include "allocator/sim_backend.h"
+#include "bench/random_churn.h"
 #include "bench/trace_file.h"
 #if defined(SPILLWAY_HAVE_CUDA)
 #include "allocator/cuda_backend.h"
@@ -89,25 +89,14 @@ void CachedMallocFree(benchmark::State& state, Kind kind, size_t size) {
 void RandomAllocations(benchmark::State& state, Kind kind, size_t live) {
   CachingAllocator alloc(NewBackend(kind), AllocatorConfig{});
   const StreamRef stream = alloc.backend().default_stream(0);
-  // Random sizes and victims drawn up front, so the timed loop measures the allocator only.
-  constexpr size_t kDraws = size_t{1} << 16;
-  std::mt19937_64 rng(42);
-  std::uniform_int_distribution<size_t> size_dist(1, 64 * kKiB);
-  std::uniform_int_distribution<size_t> victim_dist(0, live - 1);
-  std::vector<size_t> sizes(kDraws), victims(kDraws);
-  for (size_t i = 0; i < kDraws; ++i) {
-    sizes[i] = size_dist(rng);
-    victims[i] = victim_dist(rng);
-  }
+  bench::RandomChurn churn(live, 64 * kKiB);
   std::vector<void*> ptrs(live);
-  for (size_t i = 0; i < live; ++i) ptrs[i] = alloc.Malloc(sizes[i % kDraws], 0, stream);
+  for (void*& p : ptrs) p = alloc.Malloc(churn.NextSize(), 0, stream);
 
-  size_t n = 0;
   for (auto _ : state) {
-    const size_t victim = victims[n % kDraws];
-    alloc.Free(ptrs[victim], 0);
-    ptrs[victim] = alloc.Malloc(sizes[(n * 7 + 1) % kDraws], 0, stream);
-    ++n;
+    void*& slot = ptrs[churn.NextVictim()];
+    alloc.Free(slot, 0);
+    slot = alloc.Malloc(churn.NextSize(), 0, stream);
   }
   state.SetItemsProcessed(2 * static_cast<int64_t>(state.iterations()));
   state.counters["per_op"] = PerOp(2);

@@ -19,12 +19,12 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "allocator/config.h"
 #include "allocator/process_allocator.h"
+#include "bench/random_churn.h"
 #include "bench/trace_file.h"
 #include "hooks/cuda_allocator.h"
 
@@ -50,23 +50,13 @@ void CachedMallocFree(benchmark::State& state, cca::CUDAAllocator* alloc, size_t
 }
 
 void RandomAllocations(benchmark::State& state, cca::CUDAAllocator* alloc, size_t live) {
-  constexpr size_t kDraws = size_t{1} << 16;
-  std::mt19937_64 rng(42);
-  std::uniform_int_distribution<size_t> size_dist(1, 64 * kKiB);
-  std::uniform_int_distribution<size_t> victim_dist(0, live - 1);
-  std::vector<size_t> sizes(kDraws), victims(kDraws);
-  for (size_t i = 0; i < kDraws; ++i) {
-    sizes[i] = size_dist(rng);
-    victims[i] = victim_dist(rng);
-  }
+  bench::RandomChurn churn(live, 64 * kKiB);
   std::vector<c10::DataPtr> ptrs(live);
-  for (size_t i = 0; i < live; ++i) ptrs[i] = alloc->allocate(sizes[i % kDraws]);
-  size_t n = 0;
+  for (c10::DataPtr& p : ptrs) p = alloc->allocate(churn.NextSize());
   for (auto _ : state) {
-    c10::DataPtr& slot = ptrs[victims[n % kDraws]];
+    c10::DataPtr& slot = ptrs[churn.NextVictim()];
     slot.clear();  // the free
-    slot = alloc->allocate(sizes[(n * 7 + 1) % kDraws]);
-    ++n;
+    slot = alloc->allocate(churn.NextSize());
   }
   state.SetItemsProcessed(2 * static_cast<int64_t>(state.iterations()));
   state.counters["per_op"] = PerOp(2);
