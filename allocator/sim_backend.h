@@ -156,6 +156,8 @@ class SimBackend : public Backend {
   int64_t num_failed_device_mallocs() const;
   size_t bytes_in_use(int device) const;
   size_t host_bytes_in_use() const;
+  // Events created and not yet destroyed, all devices.
+  size_t num_live_events() const;
   // Copies that have run on a worker (failed injected copies excluded). Counted when the copy runs,
   // not when it is enqueued: synchronize before reading them.
   int64_t num_copies() const;

@@ -71,6 +71,11 @@ size_t SimBackend::host_bytes_in_use() const {
   return host_used_;
 }
 
+size_t SimBackend::num_live_events() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return events_.size();
+}
+
 int64_t SimBackend::num_copies() const { return num_copies_.load(std::memory_order_relaxed); }
 
 size_t SimBackend::bytes_copied(CopyKind kind) const {

@@ -286,10 +286,13 @@ bool OffloadEngine::Spill(Entry& e) {
   }
   void* device_ptr = e.storage->data();
   try {
+    // Spare again at once, whatever happens next: the wait captures the event when it is issued
+    // (nothing takes an event between here and there), and a failed record must not leave it
+    // out of the pool, one more event per failure.
     EventHandle produced = TakeEvent(dc);
+    dc.spare.push_back(produced);
     backend_.record_event(e.device, produced, e.producer.handle);
     backend_.stream_wait_event(e.device, dc.d2h.handle, produced);
-    dc.spare.push_back(produced);  // the wait captured it; reusable at once
     backend_.memcpy_async(e.device, *host, device_ptr, e.nbytes, CopyKind::kDeviceToHost,
                           dc.d2h.handle);
     if (e.copy_done == nullptr) e.copy_done = TakeEvent(dc);
@@ -336,9 +339,9 @@ void OffloadEngine::Reload(Entry& e, StreamRef consumer) {
     // The block may have been used by earlier work on the consumer stream: the H2D copy must
     // not write into it before that work is done (DeepSpeed #8186).
     EventHandle allocated = TakeEvent(dc);
+    dc.spare.push_back(allocated);  // as in Spill: spare again whatever happens next
     backend_.record_event(e.device, allocated, consumer.handle);
     backend_.stream_wait_event(e.device, dc.h2d.handle, allocated);
-    dc.spare.push_back(allocated);
     // Reload requested while still spilling: read the host buffer only after the D2H filled it.
     if (e.state == Residency::kSpilling) {
       backend_.stream_wait_event(e.device, dc.h2d.handle, e.copy_done);

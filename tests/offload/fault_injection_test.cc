@@ -282,6 +282,42 @@ TEST_F(OffloadFaultInjection, OffloadFailedEventDuringSpill) {
   }
 }
 
+// Event calls that keep failing must not cost an event each: the event taken for a failed record
+// goes back to the engine's pool, so a long run with intermittent event failures keeps a constant
+// number of events. Each round: a spill whose first event call (the record of the producer's
+// work, on a pooled event) fails, then the same entry spilled and reloaded for real.
+TEST_F(OffloadFaultInjection, OffloadFailedEventRecordsDoNotGrowTheEventPool) {
+  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  std::vector<size_t> live_events;
+  for (int round = 0; round < 6; ++round) {
+    SCOPED_TRACE(::testing::Message() << "round " << round);
+    std::shared_ptr<TestStorage> a = NewStorage(kMiB, 60 + round);
+    const KeeperId id = Save(a);
+    a->holders = 0;
+    if (round > 0) {  // the first round fills the pools
+      backend_->fail_event_after(1);
+      engine_->ForwardEnd();
+      backend_->fail_event_after(-1);
+      ASSERT_EQ(StateOf(a), Residency::kResident);
+      EXPECT_EQ(EngineStat("skipped.copy_error"), round);
+    }
+    if (round == 0) {
+      engine_->ForwardEnd();
+      engine_->Synchronize();
+    } else {
+      EXPECT_GT(engine_->ReleaseMemory(0, kMiB), 0u);  // a skipped entry waits for the rescue
+    }
+    ASSERT_EQ(StateOf(a), Residency::kSpilled);
+    EXPECT_EQ(AcquireAndRead(id, kMiB), Pattern(kMiB, 60 + round));
+    a.reset();
+    DropAllAndExpectNoLeaks({id});
+    live_events.push_back(backend_->num_live_events());
+  }
+  for (size_t round = 2; round < live_events.size(); ++round) {
+    EXPECT_EQ(live_events[round], live_events[1]) << "round " << round;
+  }
+}
+
 // An event call fails while a reload is being enqueued: it creates the event marking the
 // consumer's use of the new block, records it, and records the copy-done event after the
 // host-to-device copy was enqueued. Acquire reports the backend error and the entry stays
