@@ -52,7 +52,9 @@ class CachingAllocator {
   double memory_fraction(int device) const;  // as last set; 0 = none
 
   DeviceStats stats(int device) const;
-  std::map<std::string, int64_t> FlatStats(int device) const { return FlattenStats(stats(device)); }
+  std::map<std::string, int64_t> FlatStats(int device) const {
+    return FlattenStats(stats(device), config_.max_split_size);
+  }
   void ResetPeakStats(int device);
   void ResetAccumulatedStats(int device);
   size_t LargestFreeBlock(int device) const;

@@ -13,6 +13,8 @@ void ForEachArray(DeviceStats& s, Fn fn) {
         &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes}) {
     for (Stat& stat : a->by_pool) fn(stat);
   }
+  fn(s.oversize_allocations);
+  fn(s.oversize_segments);
 }
 
 }  // namespace
@@ -26,7 +28,14 @@ void DeviceStats::ResetPeak() {
   ForEachArray(*this, [](Stat& s) { s.ResetPeak(); });
 }
 
-std::map<std::string, int64_t> FlattenStats(const DeviceStats& s) {
+std::map<std::string, int64_t> FlattenStats(const DeviceStats& s, size_t max_split_size) {
+  std::map<std::string, int64_t> out;
+  const auto add = [&out](const std::string& prefix, const Stat& stat) {
+    out[prefix + "current"] = stat.current;
+    out[prefix + "peak"] = stat.peak;
+    out[prefix + "allocated"] = stat.allocated;
+    out[prefix + "freed"] = stat.freed;
+  };
   static constexpr std::array<std::string_view, 3> kPools = {"all", "small_pool", "large_pool"};
   const std::pair<std::string_view, const StatArray*> arrays[] = {
       {"allocation", &s.allocation},
@@ -39,17 +48,15 @@ std::map<std::string, int64_t> FlattenStats(const DeviceStats& s) {
       {"inactive_split_bytes", &s.inactive_split_bytes},
       {"requested_bytes", &s.requested_bytes},
   };
-  std::map<std::string, int64_t> out;
   for (const auto& [name, array] : arrays) {
     for (size_t i = 0; i < kPools.size(); ++i) {
-      const std::string prefix = std::string(name) + "." + std::string(kPools[i]) + ".";
-      const Stat& stat = array->by_pool[i];
-      out[prefix + "current"] = stat.current;
-      out[prefix + "peak"] = stat.peak;
-      out[prefix + "allocated"] = stat.allocated;
-      out[prefix + "freed"] = stat.freed;
+      add(std::string(name) + "." + std::string(kPools[i]) + ".", array->by_pool[i]);
     }
   }
+  add("oversize_allocations.", s.oversize_allocations);
+  add("oversize_segments.", s.oversize_segments);
+  // SIZE_MAX wraps to -1, which is what PyTorch reports for "no limit".
+  out["max_split_size"] = static_cast<int64_t>(max_split_size);
   out["num_alloc_retries"] = s.num_alloc_retries;
   out["num_ooms"] = s.num_ooms;
   out["num_sync_all_streams"] = s.num_sync_all_streams;

@@ -57,7 +57,11 @@ struct DeviceStats {
   StatArray reserved_bytes;
   StatArray active_bytes;
   StatArray inactive_split_bytes;
-  StatArray requested_bytes;      // bytes callers asked for, before rounding
+  StatArray requested_bytes;  // bytes callers asked for, before rounding
+  // Only with max_split_size set: allocated blocks / segments of at least max_split_size bytes
+  // (PyTorch counts them without a per-pool split).
+  Stat oversize_allocations;
+  Stat oversize_segments;
   int64_t num_alloc_retries = 0;  // backend allocation retried after releasing cache
   int64_t num_ooms = 0;
   int64_t num_sync_all_streams = 0;
@@ -69,7 +73,8 @@ struct DeviceStats {
 };
 
 // Flattens to the keys of `torch.cuda.memory_stats()`: "allocated_bytes.all.current",
-// "segment.small_pool.peak", ..., "num_ooms", ...
-std::map<std::string, int64_t> FlattenStats(const DeviceStats& stats);
+// "segment.small_pool.peak", ..., "oversize_allocations.current", ..., "num_ooms", ...,
+// "max_split_size" (the configured value; -1 when unlimited, as PyTorch reports SIZE_MAX).
+std::map<std::string, int64_t> FlattenStats(const DeviceStats& stats, size_t max_split_size);
 
 }  // namespace spillway

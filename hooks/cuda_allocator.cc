@@ -93,14 +93,17 @@ cca::TraceEntry::Action ToC10(TraceAction action) {
   return cca::TraceEntry::ALLOC;
 }
 
+template <typename C10Stat>
+void CopyStat(const Stat& from, C10Stat& to) {
+  to.current = from.current;
+  to.peak = from.peak;
+  to.allocated = from.allocated;
+  to.freed = from.freed;
+}
+
 template <typename C10StatArray>
 void CopyStatArray(const StatArray& from, C10StatArray& to) {
-  for (size_t i = 0; i < from.by_pool.size(); ++i) {
-    to[i].current = from.by_pool[i].current;
-    to[i].peak = from.by_pool[i].peak;
-    to[i].allocated = from.by_pool[i].allocated;
-    to[i].freed = from.by_pool[i].freed;
-  }
+  for (size_t i = 0; i < from.by_pool.size(); ++i) CopyStat(from.by_pool[i], to[i]);
 }
 
 class SpillwayCudaAllocator final : public Base {
@@ -209,6 +212,8 @@ class SpillwayCudaAllocator final : public Base {
     CopyStatArray(s.active_bytes, out.active_bytes);
     CopyStatArray(s.inactive_split_bytes, out.inactive_split_bytes);
     CopyStatArray(s.requested_bytes, out.requested_bytes);
+    CopyStat(s.oversize_allocations, out.oversize_allocations);
+    CopyStat(s.oversize_segments, out.oversize_segments);
     out.num_alloc_retries = s.num_alloc_retries;
     out.num_ooms = s.num_ooms;
     out.num_sync_all_streams = s.num_sync_all_streams;

@@ -24,10 +24,57 @@ TEST_F(StatsHistoryTest, FlatStatsHaveEveryPyTorchKey) {
       }
     }
   }
+  for (const char* stat : {"oversize_allocations", "oversize_segments"}) {
+    for (const char* field : {"current", "peak", "allocated", "freed"}) {
+      const std::string key = std::string(stat) + "." + field;
+      EXPECT_TRUE(stats.contains(key)) << key;
+    }
+  }
   for (const char* counter : {"num_alloc_retries", "num_ooms", "num_sync_all_streams",
                               "num_device_alloc", "num_device_free"}) {
     EXPECT_TRUE(stats.contains(counter)) << counter;
   }
+  EXPECT_EQ(stats.at("max_split_size"), -1);  // unlimited, as PyTorch reports it
+}
+
+// With max_split_size set, blocks and segments at least that large are counted as oversize (as
+// PyTorch counts them): the allocation from its malloc to its free, the segment until it goes
+// back to the device.
+TEST_F(StatsHistoryTest, OversizeAllocationsAndSegmentsWithMaxSplitSize) {
+  AllocatorConfig config;
+  config.max_split_size = 16 * kMiB;
+  Reset(config);
+  EXPECT_EQ(Stat("max_split_size"), int64_t{16 * kMiB});
+  void* small = Alloc(4 * kMiB);  // a 20 MiB segment, >= 16 MiB: oversize segment, not allocation
+  EXPECT_EQ(Stat("oversize_segments.current"), 1);
+  EXPECT_EQ(Stat("oversize_allocations.current"), 0);
+  void* big = Alloc(30 * kMiB);  // its own 30 MiB segment and an oversize allocation
+  void* big2 = Alloc(40 * kMiB);
+  EXPECT_EQ(Stat("oversize_allocations.current"), 2);
+  EXPECT_EQ(Stat("oversize_segments.current"), 3);
+  allocator_->Free(big);
+  EXPECT_EQ(Stat("oversize_allocations.current"), 1);
+  EXPECT_EQ(Stat("oversize_allocations.peak"), 2);
+  EXPECT_EQ(Stat("oversize_allocations.freed"), 1);
+  EXPECT_EQ(Stat("oversize_segments.current"), 3);  // cached, still reserved
+  allocator_->Free(big2);
+  allocator_->Free(small);
+  allocator_->EmptyCache();
+  EXPECT_EQ(Stat("oversize_allocations.current"), 0);
+  EXPECT_EQ(Stat("oversize_segments.current"), 0);
+  EXPECT_EQ(Stat("oversize_segments.allocated"), 3);
+  EXPECT_EQ(Stat("oversize_segments.freed"), 3);
+  allocator_->ResetAccumulatedStats(0);
+  allocator_->ResetPeakStats(0);
+  EXPECT_EQ(Stat("oversize_segments.allocated"), 0);
+  EXPECT_EQ(Stat("oversize_allocations.peak"), 0);
+}
+
+TEST_F(StatsHistoryTest, NoOversizeWithoutMaxSplitSize) {
+  void* big = Alloc(64 * kMiB);
+  EXPECT_EQ(Stat("oversize_allocations.current"), 0);
+  EXPECT_EQ(Stat("oversize_segments.current"), 0);
+  allocator_->Free(big);
 }
 
 TEST_F(StatsHistoryTest, CountersFollowAllocationsAndFrees) {
