@@ -32,16 +32,11 @@
 #include "allocator/cuda_backend.h"
 #endif
 
-namespace spillway {
+namespace spillway::testing {
 namespace {
 
 using ::testing::HasSubstr;
 using namespace std::chrono_literals;
-using backend_test::AllBytesEqual;
-using backend_test::FillPattern;
-using backend_test::FirstPatternMismatch;
-using backend_test::kMiB;
-using backend_test::Unwrap;
 
 // ---------------------------------------------------------------------------------------------
 // Typed conformance suite.
@@ -398,4 +393,4 @@ TYPED_TEST(BackendConformanceTest, EventOutlivesTheStreamItWasRecordedOn) {
 }
 
 }  // namespace
-}  // namespace spillway
+}  // namespace spillway::testing

@@ -9,7 +9,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace spillway::backend_test {
+namespace spillway::testing {
 
 inline constexpr size_t kMiB = size_t{1} << 20;
 
@@ -44,4 +44,4 @@ inline bool AllBytesEqual(const void* data, size_t bytes, uint8_t value) {
   return true;
 }
 
-}  // namespace spillway::backend_test
+}  // namespace spillway::testing

@@ -31,16 +31,11 @@
 // Reading memory that a worker may be writing is the point of the stale-data tests, and exactly
 // what ThreadSanitizer rightly reports; those tests skip themselves under TSan.
 
-namespace spillway {
+namespace spillway::testing {
 namespace {
 
 using ::testing::HasSubstr;
 using namespace std::chrono_literals;
-using backend_test::AllBytesEqual;
-using backend_test::FillPattern;
-using backend_test::FirstPatternMismatch;
-using backend_test::kMiB;
-using backend_test::Unwrap;
 
 SimBackend::Options JitterOptions(std::chrono::microseconds jitter) {
   SimBackend::Options options;
@@ -580,4 +575,4 @@ TEST(SimBackendTest, DestructorJoinsWorkersAndReleasesEverythingStillOwned) {
 }
 
 }  // namespace
-}  // namespace spillway
+}  // namespace spillway::testing
