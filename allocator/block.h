@@ -1,6 +1,7 @@
 // Blocks, the free-block index and the arena blocks live in. Internal to the allocator.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -69,14 +70,17 @@ struct FreeKey {
 // The free blocks of one pool, a best-fit tree per allocation stream.
 class FreeIndex {
  public:
-  void Insert(Block* b) { TreeOf(b->stream).Insert(FreeKey{b->size, b->ptr, b}); }
-  void Erase(const Block* b) { TreeOf(b->stream).Erase(FreeKey{b->size, b->ptr, nullptr}); }
+  void Insert(Block* b) { TreeFor(b->stream).Insert(FreeKey{b->size, b->ptr, b}); }
+  void Erase(const Block* b) {
+    if (Tree* tree = FindTree(b->stream)) tree->Erase(FreeKey{b->size, b->ptr, nullptr});
+  }
   // Removes and returns the smallest free block on `stream` with size >= `size`, if `accept`
   // takes its key; else null and the index is unchanged. One tree descent for find and erase.
   // `accept` sees the key, not the block, so the block's cache miss can overlap the erase.
   template <typename Accept>
   Block* TakeBestFit(uint64_t stream, size_t size, Accept accept) {
-    return TreeOf(stream).TakeBestFit(size, accept);
+    Tree* tree = FindTree(stream);
+    return tree != nullptr ? tree->TakeBestFit(size, accept) : nullptr;
   }
   size_t size() const {
     size_t n = 0;
@@ -127,7 +131,8 @@ class FreeIndex {
     }
     template <typename Accept>
     Block* TakeBestFit(size_t size, Accept accept) {
-      auto it = set_.lower_bound(FreeKey{size, 0, nullptr});
+      // From size 1 at least: the sentinel (size 0) is never a candidate.
+      auto it = set_.lower_bound(FreeKey{std::max<size_t>(size, 1), 0, nullptr});
       if (it == set_.end() || !accept(*it)) return nullptr;
       Block* block = it->block;
       hint_ = set_.erase(it);
@@ -151,14 +156,22 @@ class FreeIndex {
 
   // Programs use a handful of streams, and consecutive calls almost always name the same one:
   // the last tree used is checked before the map. Trees are boxed so the cached pointer stays
-  // valid while the map rehashes.
-  Tree& TreeOf(uint64_t stream) {
-    if (stream != last_stream_ || last_ == nullptr) {
-      std::unique_ptr<Tree>& tree = trees_[stream];
-      if (tree == nullptr) tree = std::make_unique<Tree>();
-      last_stream_ = stream;
-      last_ = tree.get();
-    }
+  // valid while the map rehashes. Only an insert creates a tree; lookups of a stream that never
+  // had a free block leave the index as it was.
+  Tree* FindTree(uint64_t stream) {
+    if (last_ != nullptr && stream == last_stream_) return last_;
+    const auto it = trees_.find(stream);
+    if (it == trees_.end()) return nullptr;
+    last_stream_ = stream;
+    last_ = it->second.get();
+    return last_;
+  }
+  Tree& TreeFor(uint64_t stream) {
+    if (Tree* tree = FindTree(stream)) return *tree;
+    std::unique_ptr<Tree>& tree = trees_[stream];
+    tree = std::make_unique<Tree>();
+    last_stream_ = stream;
+    last_ = tree.get();
     return *last_;
   }
 

@@ -50,22 +50,28 @@ int main(int argc, char** argv) {
   } catch (const std::exception&) {
     std::fprintf(stderr,
                  "usage: spillway_churn_count LIVE PAIRS\n"
-                 "  LIVE: live allocations, an integer >= 1; PAIRS: timed free+malloc pairs, an "
+                 "  LIVE: live allocations, an integer >= 1; PAIRS: counted free+malloc pairs, an "
                  "integer >= 0\n");
     return 2;
   }
-  spillway::CachingAllocator alloc(
-      std::make_shared<spillway::SimBackend>(
-          spillway::SimBackend::Options{.devices = 1, .capacity_bytes = size_t{64} << 30}),
-      spillway::AllocatorConfig{});
-  const spillway::StreamRef stream = alloc.backend().default_stream(0);
-  spillway::bench::RandomChurn churn(live, kMaxSize);
-  std::vector<void*> ptrs(live);
-  for (void*& p : ptrs) p = alloc.Malloc(churn.NextSize(), 0, stream);
-  Churn(alloc, stream, churn, ptrs, 3 * live);
-  Churn(alloc, stream, churn, ptrs, pairs);
-  for (void* p : ptrs) alloc.Free(p, 0);
-  std::printf("live %zu pairs %zu segments %lld\n", live, pairs,
-              static_cast<long long>(alloc.stats(0).segment.all().current));
+  try {
+    spillway::CachingAllocator alloc(
+        std::make_shared<spillway::SimBackend>(
+            spillway::SimBackend::Options{.devices = 1, .capacity_bytes = size_t{64} << 30}),
+        spillway::AllocatorConfig{});
+    const spillway::StreamRef stream = alloc.backend().default_stream(0);
+    spillway::bench::RandomChurn churn(live, kMaxSize);
+    std::vector<void*> ptrs(live);
+    for (void*& p : ptrs) p = alloc.Malloc(churn.NextSize(), 0, stream);
+    Churn(alloc, stream, churn, ptrs, 3 * live);
+    Churn(alloc, stream, churn, ptrs, pairs);
+    for (void* p : ptrs) alloc.Free(p, 0);
+    std::printf("live %zu pairs %zu segments %lld\n", live, pairs,
+                static_cast<long long>(alloc.stats(0).segment.all().current));
+  } catch (const std::exception& error) {
+    // Out of (simulated) memory for a huge LIVE, for one.
+    std::fprintf(stderr, "spillway_churn_count: %s\n", error.what());
+    return 1;
+  }
   return 0;
 }

@@ -5,7 +5,9 @@ and the last-level cache is shared), so the log-n property of the allocator is c
 counts that do not: valgrind's cachegrind runs `spillway_churn_count` with a fixed cache model,
 twice per size (PAIRS and 2 x PAIRS steady-state pairs), and the difference divided by the
 operations gives instructions and cache misses per operation. Fails when instructions per
-operation grow faster than log(live) from 1k: the mark of a linear scan on the hot path.
+operation grow faster than log(live) from 1k: the mark of a linear scan on the hot path. (The
+bound applies to the whole operation, about 1000 instructions, so it catches scans and other
+large growth, not a slowly growing term of a few dozen instructions.)
 Cache misses are reported, not checked: they grow with the live set by nature.
 
 usage: complexity.py BUILD_DIR [--pairs N] [--json OUT]
@@ -41,7 +43,11 @@ def count(binary, live, pairs, workdir):
                 summary = [int(v) for v in line.split()[1:]]
     if events is None or summary is None:
         sys.exit(f"complexity: no summary in {out}")
-    return dict(zip(events, summary))
+    counts = dict(zip(events, summary))
+    missing = [e for e in ("Ir", "D1mr", "D1mw", "DLmr", "DLmw") if e not in counts]
+    if missing:
+        sys.exit(f"complexity: {out} lacks the events {', '.join(missing)}")
+    return counts
 
 
 def main():

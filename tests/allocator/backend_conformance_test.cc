@@ -27,7 +27,7 @@
 #include "allocator/backend_raii.h"
 #include "allocator/errors.h"
 #include "allocator/sim_backend.h"
-#include "tests/allocator/backend_test_util.h"
+#include "tests/allocator/test_util.h"
 #ifdef SPILLWAY_HAVE_CUDA
 #include "allocator/cuda_backend.h"
 #endif

@@ -28,8 +28,18 @@ TEST(FreeIndex, BestFitStaysOnTheRequestedStream) {
   EXPECT_EQ(index.TakeBestFit(1, 1500, kAcceptAll), &large1);
   EXPECT_EQ(index.TakeBestFit(1, 1500, kAcceptAll), nullptr);  // taken: nothing left that fits
   EXPECT_EQ(index.TakeBestFit(2, 1500, kAcceptAll), &mid2);
-  EXPECT_EQ(index.TakeBestFit(3, 1, kAcceptAll), nullptr);  // a stream never seen
+  EXPECT_EQ(index.TakeBestFit(3, 1, kAcceptAll), nullptr);  // a stream never seen ...
+  EXPECT_EQ(index.tree_count(), 2u);                        // ... gets no tree from a lookup
   EXPECT_EQ(index.size(), 1u);
+}
+
+TEST(FreeIndex, SizeZeroNeverTakesTheSentinel) {
+  FreeIndex index;
+  Block b = MakeBlock(1, 512, 0x10000);
+  index.Insert(&b);
+  EXPECT_EQ(index.TakeBestFit(1, 0, kAcceptAll), &b);
+  EXPECT_EQ(index.TakeBestFit(1, 0, kAcceptAll), nullptr);
+  EXPECT_EQ(index.size(), 0u);
 }
 
 TEST(FreeIndex, EqualSizesGoLowestAddressFirst) {

@@ -25,7 +25,7 @@
 #include "allocator/backend.h"
 #include "allocator/backend_raii.h"
 #include "allocator/errors.h"
-#include "tests/allocator/backend_test_util.h"
+#include "tests/allocator/test_util.h"
 #include "tests/sanitizers.h"
 
 // Reading memory that a worker may be writing is the point of the stale-data tests, and exactly

@@ -10,11 +10,10 @@
 
 #include "allocator/caching_allocator.h"
 #include "allocator/sim_backend.h"
+#include "tests/allocator/test_util.h"
 #include "tests/counting_sim_backend.h"
 
 namespace spillway::testing {
-
-inline constexpr size_t kMiB = size_t{1} << 20;
 
 class SimAllocatorTest : public ::testing::Test {
  protected:

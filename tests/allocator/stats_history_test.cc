@@ -38,36 +38,45 @@ TEST_F(StatsHistoryTest, FlatStatsHaveEveryPyTorchKey) {
 }
 
 // With max_split_size set, blocks and segments at least that large are counted as oversize (as
-// PyTorch counts them): the allocation from its malloc to its free, the segment until it goes
-// back to the device.
+// PyTorch counts them): the allocation from its malloc to its free request (even when the free
+// then waits for another stream), the segment until it goes back to the device.
 TEST_F(StatsHistoryTest, OversizeAllocationsAndSegmentsWithMaxSplitSize) {
   AllocatorConfig config;
-  config.max_split_size = 16 * kMiB;
+  config.max_split_size = 32 * kMiB;
   Reset(config);
-  EXPECT_EQ(Stat("max_split_size"), int64_t{16 * kMiB});
-  void* small = Alloc(4 * kMiB);  // a 20 MiB segment, >= 16 MiB: oversize segment, not allocation
-  EXPECT_EQ(Stat("oversize_segments.current"), 1);
+  EXPECT_EQ(Stat("max_split_size"), int64_t{32 * kMiB});
+  void* small = Alloc(4 * kMiB);  // a 20 MiB segment: below the limit
+  void* mid = Alloc(30 * kMiB);   // its own 30 MiB segment: below the limit
+  EXPECT_EQ(Stat("oversize_segments.current"), 0);
   EXPECT_EQ(Stat("oversize_allocations.current"), 0);
-  void* big = Alloc(30 * kMiB);  // its own 30 MiB segment and an oversize allocation
-  void* big2 = Alloc(40 * kMiB);
+  void* big = Alloc(40 * kMiB);   // its own 40 MiB segment: both oversize
+  void* big2 = Alloc(32 * kMiB);  // exactly the limit counts
   EXPECT_EQ(Stat("oversize_allocations.current"), 2);
-  EXPECT_EQ(Stat("oversize_segments.current"), 3);
+  EXPECT_EQ(Stat("oversize_segments.current"), 2);
+
+  // A free that must wait for another stream: no longer allocated at once.
+  const StreamRef side = backend_->create_stream(0);
+  allocator_->RecordStream(big, side);
   allocator_->Free(big);
   EXPECT_EQ(Stat("oversize_allocations.current"), 1);
   EXPECT_EQ(Stat("oversize_allocations.peak"), 2);
   EXPECT_EQ(Stat("oversize_allocations.freed"), 1);
-  EXPECT_EQ(Stat("oversize_segments.current"), 3);  // cached, still reserved
+  EXPECT_EQ(Stat("oversize_segments.current"), 2);  // cached, still reserved
   allocator_->Free(big2);
+  allocator_->Free(mid);
   allocator_->Free(small);
+  backend_->synchronize_stream(0, side.handle);
   allocator_->EmptyCache();
   EXPECT_EQ(Stat("oversize_allocations.current"), 0);
   EXPECT_EQ(Stat("oversize_segments.current"), 0);
-  EXPECT_EQ(Stat("oversize_segments.allocated"), 3);
-  EXPECT_EQ(Stat("oversize_segments.freed"), 3);
+  EXPECT_EQ(Stat("oversize_segments.allocated"), 2);
+  EXPECT_EQ(Stat("oversize_segments.freed"), 2);
+  EXPECT_EQ(Stat("segment.all.current"), 0);
   allocator_->ResetAccumulatedStats(0);
   allocator_->ResetPeakStats(0);
   EXPECT_EQ(Stat("oversize_segments.allocated"), 0);
   EXPECT_EQ(Stat("oversize_allocations.peak"), 0);
+  backend_->destroy_stream(0, side.handle);
 }
 
 TEST_F(StatsHistoryTest, NoOversizeWithoutMaxSplitSize) {

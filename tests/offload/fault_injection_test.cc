@@ -285,7 +285,8 @@ TEST_F(OffloadFaultInjection, OffloadFailedEventDuringSpill) {
 // Event calls that keep failing must not cost an event each: the event taken for a failed record
 // goes back to the engine's pool, so a long run with intermittent event failures keeps a constant
 // number of events. Each round: a spill whose first event call (the record of the producer's
-// work, on a pooled event) fails, then the same entry spilled and reloaded for real.
+// work, on a pooled event) fails, the same entry spilled for real, a reload whose first event
+// call fails the same way, and the reload for real.
 TEST_F(OffloadFaultInjection, OffloadFailedEventRecordsDoNotGrowTheEventPool) {
   Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
   std::vector<size_t> live_events;
@@ -308,6 +309,12 @@ TEST_F(OffloadFaultInjection, OffloadFailedEventRecordsDoNotGrowTheEventPool) {
       EXPECT_GT(engine_->ReleaseMemory(0, kMiB), 0u);  // a skipped entry waits for the rescue
     }
     ASSERT_EQ(StateOf(a), Residency::kSpilled);
+    if (round > 0) {  // and a reload whose first event call (the consumer's, pooled) fails
+      backend_->fail_event_after(1);
+      EXPECT_THROW(engine_->Acquire(id, compute_), BackendError);
+      backend_->fail_event_after(-1);
+      ASSERT_EQ(StateOf(a), Residency::kSpilled);
+    }
     EXPECT_EQ(AcquireAndRead(id, kMiB), Pattern(kMiB, 60 + round));
     a.reset();
     DropAllAndExpectNoLeaks({id});

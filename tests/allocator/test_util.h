@@ -1,5 +1,5 @@
-// Helpers shared by the backend test files: unwrap a StatusOr, and byte patterns to fill and
-// check buffers with.
+// Helpers shared by the allocator test files: sizes, unwrapping a StatusOr, and byte patterns to
+// fill and check buffers with.
 #pragma once
 
 #include <cstddef>
