@@ -7,7 +7,7 @@ namespace spillway {
 namespace {
 
 template <typename Fn>
-void ForEachArray(DeviceStats& s, Fn fn) {
+void ForEachStat(DeviceStats& s, Fn fn) {
   for (StatArray* a :
        {&s.allocation, &s.segment, &s.active, &s.inactive_split, &s.allocated_bytes,
         &s.reserved_bytes, &s.active_bytes, &s.inactive_split_bytes, &s.requested_bytes}) {
@@ -20,12 +20,12 @@ void ForEachArray(DeviceStats& s, Fn fn) {
 }  // namespace
 
 void DeviceStats::ResetAccumulated() {
-  ForEachArray(*this, [](Stat& s) { s.ResetAccumulated(); });
+  ForEachStat(*this, [](Stat& s) { s.ResetAccumulated(); });
   num_alloc_retries = num_ooms = num_sync_all_streams = num_device_alloc = num_device_free = 0;
 }
 
 void DeviceStats::ResetPeak() {
-  ForEachArray(*this, [](Stat& s) { s.ResetPeak(); });
+  ForEachStat(*this, [](Stat& s) { s.ResetPeak(); });
 }
 
 std::map<std::string, int64_t> FlattenStats(const DeviceStats& s, size_t max_split_size) {
