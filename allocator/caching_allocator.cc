@@ -215,6 +215,7 @@ Snapshot CachingAllocator::TakeSnapshot() const {
     std::vector<SegmentSnapshot> segments = device->SnapshotSegments();
     for (SegmentSnapshot& s : segments) snapshot.segments.push_back(std::move(s));
     snapshot.device_traces.push_back(device->history());
+    device->CollectStreamHandles(snapshot.stream_handles);
   }
   return snapshot;
 }

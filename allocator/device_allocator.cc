@@ -161,6 +161,7 @@ Block* DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t seg
   block->stream = stream.id;
   block->pool = kind;
   segments_[block->ptr] = Segment{segment_size, kind, clock_, block, stream};
+  stream_handles_.try_emplace(stream.id, stream.handle);
   ++clock_;
   stats_.segment.Increase(kind, 1);
   stats_.reserved_bytes.Increase(kind, static_cast<int64_t>(segment_size));

@@ -10,6 +10,7 @@
 #include <deque>
 #include <functional>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -100,6 +101,8 @@ class DeviceAllocator {
   void ClearHistory();
   std::vector<TraceEntry> history() const;
   std::vector<SegmentSnapshot> SnapshotSegments() const;
+  // Adds this device's streams (id -> handle) to `out`.
+  void CollectStreamHandles(std::map<uint64_t, uintptr_t>& out) const;
   // Size of the largest cached free block (PyTorch's cacheInfo).
   size_t LargestFreeBlock() const;
   // Completes pending stream-use frees whose events have fired. Malloc does this on its own.
@@ -160,6 +163,8 @@ class DeviceAllocator {
   AddressTable<Block> allocated_;  // live allocations by address
   SegmentMap segments_;
   absl::flat_hash_map<uint64_t, std::deque<Pending>> pending_;  // by stream id
+  // Every stream a segment was made for, kept after its segments go: trace entries outlive them.
+  absl::flat_hash_map<uint64_t, StreamHandle> stream_handles_;
   std::vector<EventHandle> spare_events_;
   DeviceStats stats_;
   HistoryRing history_;

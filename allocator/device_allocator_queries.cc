@@ -93,6 +93,11 @@ std::vector<TraceEntry> DeviceAllocator::history() const {
   return history_.Entries();
 }
 
+void DeviceAllocator::CollectStreamHandles(std::map<uint64_t, uintptr_t>& out) const {
+  std::lock_guard lock(mutex_);
+  for (const auto& [id, handle] : stream_handles_) out[id] = reinterpret_cast<uintptr_t>(handle);
+}
+
 std::vector<SegmentSnapshot> DeviceAllocator::SnapshotSegments() const {
   std::lock_guard lock(mutex_);
   std::vector<SegmentSnapshot> out;

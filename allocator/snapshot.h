@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string_view>
 #include <vector>
 
@@ -32,7 +33,7 @@ struct SegmentSnapshot {
   size_t allocated_size = 0;
   size_t active_size = 0;
   size_t requested_size = 0;
-  uint64_t stream = 0;
+  uint64_t stream = 0;  // StreamRef::id
   PoolKind pool = PoolKind::kSmall;
   std::vector<BlockSnapshot> blocks;  // address order
 };
@@ -40,6 +41,16 @@ struct SegmentSnapshot {
 struct Snapshot {
   std::vector<SegmentSnapshot> segments;               // by device, then address
   std::vector<std::vector<TraceEntry>> device_traces;  // one list per device, oldest first
+  // Stream id -> the stream's handle as an integer, for every stream a segment was ever made for
+  // (segments and trace entries name streams by id; PyTorch's snapshots name them by handle).
+  std::map<uint64_t, uintptr_t> stream_handles;
+
+  // How PyTorch-format snapshots name stream `id`: by its handle (so a default stream reads 0,
+  // as in PyTorch's own); an id with no handle (an OOM entry's 0) stays as it is.
+  uintptr_t StreamValue(uint64_t id) const {
+    const auto it = stream_handles.find(id);
+    return it != stream_handles.end() ? it->second : static_cast<uintptr_t>(id);
+  }
 };
 
 }  // namespace spillway

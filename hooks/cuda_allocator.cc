@@ -400,8 +400,7 @@ class SpillwayCudaAllocator final : public Base {
       seg.requested_size = s.requested_size;
       seg.allocated_size = s.allocated_size;
       seg.active_size = s.active_size;
-      // Streams are named by Spillway's stream ids (the viewer only labels with them).
-      seg.stream = reinterpret_cast<decltype(seg.stream)>(static_cast<uintptr_t>(s.stream));
+      seg.stream = reinterpret_cast<decltype(seg.stream)>(snap.StreamValue(s.stream));
       seg.is_large = s.pool == PoolKind::kLarge;
       for (const BlockSnapshot& b : s.blocks) {
         cca::BlockInfo block;
@@ -421,7 +420,7 @@ class SpillwayCudaAllocator final : public Base {
         if (skip.contains(std::string(TraceActionName(e.action)))) continue;
         trace.push_back(SPILLWAY_MAKE_TRACE_ENTRY(
             ToC10(e.action), static_cast<c10::DeviceIndex>(device), e.addr, e.size,
-            reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(e.stream)), default_pool,
+            reinterpret_cast<cudaStream_t>(snap.StreamValue(e.stream)), default_pool,
             AsC10Context(e.context)));
         // PyTorch's snapshot() hands out times already converted to microseconds in t_.
         trace.back().time_.t_ = static_cast<time_t>(e.time_us);

@@ -146,7 +146,7 @@ py::dict Snapshot() {
     seg["allocated_size"] = s.allocated_size;
     seg["active_size"] = s.active_size;
     seg["requested_size"] = s.requested_size;
-    seg["stream"] = s.stream;
+    seg["stream"] = snap.StreamValue(s.stream);
     seg["segment_type"] = s.pool == PoolKind::kSmall ? "small" : "large";
     seg["segment_pool_id"] = py::make_tuple(0, 0);
     seg["is_expandable"] = false;
@@ -188,7 +188,7 @@ py::dict Snapshot() {
         d["addr"] = e.addr;
       }
       d["size"] = e.size;
-      d["stream"] = e.stream;
+      d["stream"] = snap.StreamValue(e.stream);
       d["time_us"] = e.time_us;
       d["frames"] = FramesOf(e.context);
       t.append(d);

@@ -163,6 +163,33 @@ TEST_F(StatsHistoryTest, HistoryOffRecordsNothingAndSkipsTheGatherer) {
   EXPECT_EQ(gathered, 0);
 }
 
+// Segments and trace entries name streams by id; the snapshot also maps each id to the stream's
+// handle (what PyTorch's snapshots show), and keeps the mapping after the segments are gone,
+// since trace entries still name those streams.
+TEST_F(StatsHistoryTest, SnapshotMapsStreamIdsToHandles) {
+  allocator_->RecordHistory(true);
+  const StreamRef side = backend_->create_stream(0);
+  allocator_->Free(Alloc(4096));
+  allocator_->Free(Alloc(4096, side));
+  const Snapshot live = allocator_->TakeSnapshot();
+  ASSERT_EQ(live.segments.size(), 2u);
+  for (const SegmentSnapshot& seg : live.segments) {
+    EXPECT_TRUE(live.stream_handles.contains(seg.stream)) << seg.stream;
+  }
+  EXPECT_EQ(live.stream_handles.at(stream_.id), reinterpret_cast<uintptr_t>(stream_.handle));
+  EXPECT_EQ(live.stream_handles.at(side.id), reinterpret_cast<uintptr_t>(side.handle));
+  EXPECT_NE(stream_.id, side.id);
+  allocator_->EmptyCache();
+  const Snapshot after = allocator_->TakeSnapshot();
+  EXPECT_TRUE(after.segments.empty());
+  for (const TraceEntry& e : after.device_traces.at(0)) {
+    if (e.action == TraceAction::kOom) continue;
+    EXPECT_TRUE(after.stream_handles.contains(e.stream)) << TraceActionName(e.action);
+  }
+  EXPECT_EQ(after.stream_handles.size(), 2u);
+  backend_->destroy_stream(0, side.handle);
+}
+
 TEST_F(StatsHistoryTest, SnapshotDescribesSegmentsAndBlocks) {
   void* a = Alloc(1000);
   void* b = Alloc(2000);

@@ -44,6 +44,9 @@ def test_snapshot_has_what_the_viewer_requires(recorded):
     for seg in snap["segments"]:
         assert VIEWER_SEGMENT_KEYS <= seg.keys()
         assert seg["device"] == 0
+        # Streams are named by handle, as in PyTorch's snapshots: the default stream is 0 (its
+        # Spillway id is not).
+        assert seg["stream"] == 0
         assert seg["segment_type"] in ("small", "large")
         assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"]
         for b in seg["blocks"]:
@@ -55,6 +58,7 @@ def test_snapshot_has_what_the_viewer_requires(recorded):
     for e in trace:
         assert VIEWER_TRACE_KEYS <= e.keys()
         assert e["action"] in ACTIONS
+        assert e["stream"] == 0
         assert isinstance(e["frames"], list)
     # Allocations made from Python carry the Python frames that made them.
     allocs = [e for e in trace if e["action"] == "alloc"]
