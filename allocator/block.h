@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <memory>
 #include <vector>
 
@@ -87,9 +88,11 @@ class FreeIndex {
     for (const auto& [stream, tree] : trees_) n += tree->size();
     return n;
   }
-  template <typename Fn>
-  void ForEach(Fn fn) const {
-    for (const auto& [stream, tree] : trees_) tree->ForEach(fn);
+  // Size of the largest free block, 0 when there is none: the last key of each stream's tree.
+  size_t LargestSize() const {
+    size_t largest = 0;
+    for (const auto& [stream, tree] : trees_) largest = std::max(largest, tree->LargestSize());
+    return largest;
   }
   // Number of per-stream trees, empty ones included.
   size_t tree_count() const { return trees_.size(); }
@@ -140,12 +143,8 @@ class FreeIndex {
       return block;
     }
     size_t size() const { return set_.size() - 1; }
-    template <typename Fn>
-    void ForEach(Fn fn) const {
-      for (const FreeKey& k : set_) {
-        if (k.block != nullptr) fn(k.block);
-      }
-    }
+    // The sentinel (size 0) is first, so an empty tree answers 0.
+    size_t LargestSize() const { return std::prev(set_.end())->size; }
 
    private:
     absl::btree_set<FreeKey> set_;

@@ -165,7 +165,7 @@ Block* DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t seg
   ++clock_;
   stats_.segment.Increase(kind, 1);
   stats_.reserved_bytes.Increase(kind, static_cast<int64_t>(segment_size));
-  if (segment_size >= policy_.max_split_size()) stats_.oversize_segments.Increase(1);
+  if (policy_.IsOversize(segment_size)) stats_.oversize_segments.Increase(1);
   ++stats_.num_device_alloc;
   Trace(TraceAction::kSegmentAlloc, block->ptr, segment_size, stream.id, nullptr);
   if (segments_.size() == 1) ResolveWatermark();  // the device's first memory: see SetWatermark
@@ -209,7 +209,7 @@ void* DeviceAllocator::UseBlock(Block* block, size_t rounded, size_t requested,
   stats_.active.Increase(kind, 1);
   stats_.active_bytes.Increase(kind, size);
   stats_.requested_bytes.Increase(kind, static_cast<int64_t>(requested));
-  if (block->size >= policy_.max_split_size()) stats_.oversize_allocations.Increase(1);
+  if (policy_.IsOversize(block->size)) stats_.oversize_allocations.Increase(1);
   Trace(TraceAction::kAlloc, block->ptr, block->size, block->stream, std::move(context));
   return reinterpret_cast<void*>(block->ptr);
 }
@@ -225,7 +225,7 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
   block->allocated = false;
   stats_.allocation.Decrease(block->pool, 1);
   stats_.allocated_bytes.Decrease(block->pool, static_cast<int64_t>(block->size));
-  if (block->size >= policy_.max_split_size()) stats_.oversize_allocations.Decrease(1);
+  if (policy_.IsOversize(block->size)) stats_.oversize_allocations.Decrease(1);
   Trace(TraceAction::kFreeRequested, block->ptr, block->size, block->stream, std::move(context));
   if (!block->has_stream_uses()) {
     FreeBlock(block);
@@ -317,7 +317,7 @@ bool DeviceAllocator::ReleaseSegment(Block* block) {
   segments_.erase(block->ptr);
   stats_.segment.Decrease(kind, 1);
   stats_.reserved_bytes.Decrease(kind, static_cast<int64_t>(block->size));
-  if (block->size >= policy_.max_split_size()) stats_.oversize_segments.Decrease(1);
+  if (policy_.IsOversize(block->size)) stats_.oversize_segments.Decrease(1);
   ++stats_.num_device_free;
   Trace(TraceAction::kSegmentFree, block->ptr, block->size, block->stream, nullptr);
   arena_.Delete(block);

@@ -40,6 +40,9 @@ class SizePolicy {
   // waste more than kLargeBuffer on an oversize request).
   bool AcceptsBlock(size_t block_size, size_t size) const;
   size_t max_split_size() const { return config_.max_split_size; }
+  // PyTorch's "oversize" (its statistics' oversize_allocations / oversize_segments): a block or
+  // segment of at least max_split_size bytes. Never, when max_split_size is unlimited.
+  bool IsOversize(size_t size) const { return size >= config_.max_split_size; }
 
  private:
   size_t RoundUpPower2Division(size_t size, size_t divisions) const;

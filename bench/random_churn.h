@@ -12,6 +12,16 @@
 
 namespace spillway::bench {
 
+// SplitMix64 (Steele, Lea, Flood 2014) as a stateless mix: well-spread 64-bit values from
+// consecutive inputs. Also what the allocator tests build their byte patterns from.
+inline constexpr uint64_t kSplitMix64Step = 0x9E3779B97F4A7C15ull;  // 2^64 / golden ratio
+inline uint64_t SplitMix64(uint64_t x) {
+  x += kSplitMix64Step;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
 class RandomChurn {
  public:
   RandomChurn(size_t live, size_t max_size, uint64_t seed = 42)
@@ -23,12 +33,11 @@ class RandomChurn {
   size_t NextSize() { return 1 + Below(max_size_); }
 
  private:
+  // The SplitMix64 generator: full period, passes BigCrush, no memory.
   uint64_t Next() {
-    // SplitMix64 (Steele, Lea, Flood 2014): full period, passes BigCrush, no memory.
-    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
+    const uint64_t z = SplitMix64(state_);
+    state_ += kSplitMix64Step;
+    return z;
   }
   // Uniform in [0, n) by the high half of a 128-bit product (Lemire): no division in the loop.
   size_t Below(size_t n) {

@@ -1,7 +1,9 @@
 // A simulated device that counts mem_info calls per device, for the allocator and engine tests.
 #pragma once
 
+#include <cstddef>
 #include <map>
+#include <memory>
 #include <mutex>
 
 #include "allocator/sim_backend.h"
@@ -13,6 +15,13 @@ namespace spillway::testing {
 class CountingSimBackend : public SimBackend {
  public:
   using SimBackend::SimBackend;
+  // `devices` devices of `capacity_bytes` each.
+  static std::shared_ptr<CountingSimBackend> Make(int devices, size_t capacity_bytes) {
+    SimBackend::Options options;
+    options.devices = devices;
+    options.capacity_bytes = capacity_bytes;
+    return std::make_shared<CountingSimBackend>(options);
+  }
   MemInfo mem_info(int device) override {
     std::lock_guard lock(mutex_);
     ++mem_info_calls[device];

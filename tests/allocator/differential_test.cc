@@ -45,6 +45,7 @@
 #include "allocator/snapshot.h"
 #include "allocator/stats.h"
 #include "gtest/gtest.h"
+#include "tests/allocator/byte_pattern.h"
 #include "tests/sanitizers.h"
 
 namespace spillway {
@@ -58,57 +59,6 @@ constexpr size_t kCapacity = 256 * kMiB;
 constexpr size_t kMaxCopyBytes = 64 * kKiB;
 
 // ---- Byte patterns ------------------------------------------------------------------------------
-
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
-// A 4 KiB template unique to `tag`, repeated over the allocation: byte i of an allocation is
-// byte i % 4096 of the template.
-class Pattern {
- public:
-  static constexpr size_t kBytes = 4096;
-
-  explicit Pattern(uint64_t tag) {
-    for (size_t i = 0; i < words_.size(); ++i) words_[i] = SplitMix64(tag * words_.size() + i);
-  }
-
-  // Writes bytes [begin, end) of the pattern to base + begin.
-  void Fill(void* base, size_t begin, size_t end) const {
-    auto* out = static_cast<unsigned char*>(base);
-    for (size_t off = begin; off < end;) {
-      const size_t in_template = off % kBytes;
-      const size_t len = std::min(kBytes - in_template, end - off);
-      std::memcpy(out + off, bytes() + in_template, len);
-      off += len;
-    }
-  }
-
-  // Offset of the first byte in [begin, end) of base that differs from the pattern, or `end`.
-  size_t FirstMismatch(const void* base, size_t begin, size_t end) const {
-    const auto* in = static_cast<const unsigned char*>(base);
-    for (size_t off = begin; off < end;) {
-      const size_t in_template = off % kBytes;
-      const size_t len = std::min(kBytes - in_template, end - off);
-      if (std::memcmp(in + off, bytes() + in_template, len) != 0) {
-        for (size_t i = 0; i < len; ++i) {
-          if (in[off + i] != bytes()[in_template + i]) return off + i;
-        }
-      }
-      off += len;
-    }
-    return end;
-  }
-
- private:
-  const unsigned char* bytes() const {
-    return reinterpret_cast<const unsigned char*>(words_.data());
-  }
-  std::array<uint64_t, kBytes / sizeof(uint64_t)> words_;
-};
 
 #if defined(SPILLWAY_UNDER_TSAN)
 // ThreadSanitizer shadows every byte copied or compared, which makes patterns over hundreds of
@@ -127,13 +77,13 @@ std::vector<std::pair<size_t, size_t>> PatternRanges(size_t n) {
 }
 
 void FillPattern(void* p, size_t n, uint64_t tag) {
-  const Pattern pattern(tag);
+  const testing::BytePattern pattern(tag);
   for (const auto& [begin, end] : PatternRanges(n)) pattern.Fill(p, begin, end);
 }
 
 // Offset of the first patterned byte that differs, or n.
 size_t PatternMismatch(const void* p, size_t n, uint64_t tag) {
-  const Pattern pattern(tag);
+  const testing::BytePattern pattern(tag);
   for (const auto& [begin, end] : PatternRanges(n)) {
     if (const size_t bad = pattern.FirstMismatch(p, begin, end); bad != end) return bad;
   }
@@ -427,7 +377,7 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
     InflightCopy c;
     c.bytes = std::min(a.requested, kMaxCopyBytes);
     c.host = std::make_unique<unsigned char[]>(c.bytes);
-    Pattern(a.tag).Fill(c.host.get(), 0, c.bytes);
+    testing::BytePattern(a.tag).Fill(c.host.get(), 0, c.bytes);
     backend_->memcpy_async(0, reinterpret_cast<void*>(addr), c.host.get(), c.bytes,
                            CopyKind::kHostToDevice, streams_[u].handle);
     c.done = backend_->create_event(0);
@@ -490,7 +440,8 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
         continue;
       }
       if (it->verify) {
-        const size_t bad = Pattern(it->tag).FirstMismatch(it->host.get(), 0, it->bytes);
+        const size_t bad =
+            testing::BytePattern(it->tag).FirstMismatch(it->host.get(), 0, it->bytes);
         EXPECT_EQ(bad, it->bytes) << "a copy on another stream read a block (tag " << it->tag
                                   << ") after it was reused: mismatch at byte " << bad;
       }

@@ -33,6 +33,20 @@ TEST(FreeIndex, BestFitStaysOnTheRequestedStream) {
   EXPECT_EQ(index.size(), 1u);
 }
 
+TEST(FreeIndex, LargestSizeIsTheLargestFreeBlockOfAnyStream) {
+  FreeIndex index;
+  EXPECT_EQ(index.LargestSize(), 0u);
+  Block a = MakeBlock(1, 4096, 0x10000);
+  Block b = MakeBlock(2, 8192, 0x20000);
+  Block c = MakeBlock(1, 2048, 0x30000);
+  for (Block* blk : {&a, &b, &c}) index.Insert(blk);
+  EXPECT_EQ(index.LargestSize(), 8192u);
+  EXPECT_EQ(index.TakeBestFit(2, 1, kAcceptAll), &b);
+  EXPECT_EQ(index.LargestSize(), 4096u);  // stream 2's tree is empty now
+  index.Erase(&a);
+  EXPECT_EQ(index.LargestSize(), 2048u);
+}
+
 TEST(FreeIndex, SizeZeroNeverTakesTheSentinel) {
   FreeIndex index;
   Block b = MakeBlock(1, 512, 0x10000);

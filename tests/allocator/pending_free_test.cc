@@ -21,11 +21,17 @@ namespace {
 constexpr size_t kKiB = size_t{1} << 10;
 constexpr size_t kMiB = size_t{1} << 20;
 
+// One 64 MiB simulated device whose stream operations run after up to `jitter` (so an unordered
+// read can really see stale data).
+std::shared_ptr<SimBackend> Device(std::chrono::microseconds jitter) {
+  return std::make_shared<SimBackend>(
+      SimBackend::Options{.devices = 1, .capacity_bytes = 64 * kMiB, .max_jitter = jitter});
+}
+
 // Directed: a free with a stream use stays active_pending_free, whatever the use stream does,
 // until events are processed; once that stream is synchronized, processing releases it.
 TEST(PendingFreeTest, PendingFreeReleasedOnlyByEventProcessing) {
-  auto backend = std::make_shared<SimBackend>(SimBackend::Options{
-      .devices = 1, .capacity_bytes = 64 * kMiB, .max_jitter = std::chrono::microseconds(2000)});
+  auto backend = Device(std::chrono::microseconds(2000));
   CachingAllocator alloc(backend, AllocatorConfig{});
   const StreamRef a = backend->default_stream(0);
   const StreamRef b = backend->create_stream(0);
@@ -69,8 +75,7 @@ TEST(PendingFreeTest, PendingFreeReleasedOnlyByEventProcessing) {
 // When the event for a stream use cannot be recorded, the free waits for that stream on the host
 // instead: the block is free at once, not pending and not lost.
 TEST(PendingFreeTest, FreeFallsBackToHostWaitWhenEventRecordFails) {
-  auto backend = std::make_shared<SimBackend>(SimBackend::Options{
-      .devices = 1, .capacity_bytes = 64 * kMiB, .max_jitter = std::chrono::microseconds(500)});
+  auto backend = Device(std::chrono::microseconds(500));
   CachingAllocator alloc(backend, AllocatorConfig{});
   const StreamRef a = backend->default_stream(0);
   const StreamRef b = backend->create_stream(0);
@@ -103,8 +108,7 @@ TEST(PendingFreeTest, FreeFallsBackToHostWaitWhenEventRecordFails) {
 // Same when the event cannot even be created (no spare event yet): the block must not be lost
 // half-freed, with Free throwing and the block in neither the pool nor the live set.
 TEST(PendingFreeTest, FreeFallsBackToHostWaitWhenEventCreationFails) {
-  auto backend =
-      std::make_shared<SimBackend>(SimBackend::Options{.devices = 1, .capacity_bytes = 64 * kMiB});
+  auto backend = Device(std::chrono::microseconds(0));
   CachingAllocator alloc(backend, AllocatorConfig{});
   const StreamRef a = backend->default_stream(0);
   const StreamRef b = backend->create_stream(0);

@@ -4,14 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
-#include <map>
 #include <memory>
-#include <mutex>
 
 #include "allocator/caching_allocator.h"
 #include "allocator/sim_backend.h"
 #include "tests/allocator/test_util.h"
-#include "tests/counting_sim_backend.h"
 
 namespace spillway::testing {
 

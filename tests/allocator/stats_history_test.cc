@@ -6,6 +6,7 @@
 
 #include "allocator/errors.h"
 #include "tests/allocator/sim_fixture.h"
+#include "tests/counting_sim_backend.h"
 
 namespace spillway::testing {
 namespace {
@@ -253,10 +254,7 @@ TEST_F(StatsHistoryTest, MemoryFractionReadsBackAsSet) {
 }
 
 TEST(DeviceMemoryQueries, OnlyWhenAFractionNeedsTheTotal) {
-  SimBackend::Options options;
-  options.devices = 4;
-  options.capacity_bytes = 64 * kMiB;
-  auto backend = std::make_shared<CountingSimBackend>(options);
+  auto backend = CountingSimBackend::Make(4, 64 * kMiB);
   CachingAllocator allocator(backend, AllocatorConfig{});
   allocator.Free(allocator.Malloc(4096, 1, backend->default_stream(1)));
   EXPECT_TRUE(backend->mem_info_calls.empty());
@@ -269,10 +267,7 @@ TEST(DeviceMemoryQueries, OnlyWhenAFractionNeedsTheTotal) {
 }
 
 TEST(DeviceMemoryQueries, AFractionWatermarkResolvesOnTheDevicesFirstMemory) {
-  SimBackend::Options options;
-  options.devices = 3;
-  options.capacity_bytes = 64 * kMiB;
-  auto backend = std::make_shared<CountingSimBackend>(options);
+  auto backend = CountingSimBackend::Make(3, 64 * kMiB);
   CachingAllocator allocator(backend, AllocatorConfig{});
   std::vector<int> pressured;
   allocator.SetPressureHandler([&](int device) { pressured.push_back(device); });

@@ -24,6 +24,7 @@
 #include "allocator/snapshot.h"
 #include "allocator/stats.h"
 #include "gtest/gtest.h"
+#include "tests/allocator/byte_pattern.h"
 #include "tests/sanitizers.h"
 
 namespace spillway {
@@ -40,41 +41,6 @@ constexpr int kOpsPerThread = 5000;
 #endif
 constexpr size_t kMaxCopyBytes = 16 * kKiB;
 constexpr size_t kMaxLiveBytesPerThread = 48 * kMiB;
-
-uint64_t SplitMix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ULL;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
-  return x ^ (x >> 31);
-}
-
-// A 4 KiB template unique to `tag`, repeated over the allocation.
-class Pattern {
- public:
-  static constexpr size_t kBytes = 4096;
-
-  explicit Pattern(uint64_t tag) {
-    for (size_t i = 0; i < words_.size(); ++i) words_[i] = SplitMix64(tag * words_.size() + i);
-  }
-
-  void Fill(void* dst, size_t n) const {
-    auto* out = static_cast<unsigned char*>(dst);
-    for (size_t off = 0; off < n; off += kBytes) {
-      std::memcpy(out + off, words_.data(), std::min(kBytes, n - off));
-    }
-  }
-
-  bool Matches(const void* p, size_t n) const {
-    const auto* in = static_cast<const unsigned char*>(p);
-    for (size_t off = 0; off < n; off += kBytes) {
-      if (std::memcmp(in + off, words_.data(), std::min(kBytes, n - off)) != 0) return false;
-    }
-    return true;
-  }
-
- private:
-  std::array<uint64_t, kBytes / sizeof(uint64_t)> words_;
-};
 
 // Raised by any failed expectation in any thread, so the workers stop early. (Asking gtest whether
 // the test has failed is not safe while other threads report failures.)
@@ -201,14 +167,14 @@ class Worker {
     EXPECT_GE(info->size, size);
     EXPECT_EQ(info->stream.id, stream.id);
     const uint64_t tag = (static_cast<uint64_t>(index_ + 1) << 40) | next_tag_++;
-    Pattern(tag).Fill(p, size);
+    testing::BytePattern(tag).Fill(p, 0, size);
     live_.push_back(Live{p, size, tag});
     live_bytes_ += size;
     s_.mallocs.fetch_add(1, std::memory_order_relaxed);
   }
 
   void VerifyPattern(const Live& a) {
-    EXPECT_TRUE(Pattern(a.tag).Matches(a.ptr, a.size))
+    EXPECT_EQ(testing::BytePattern(a.tag).FirstMismatch(a.ptr, 0, a.size), a.size)
         << "thread " << index_ << ": allocation at " << a.ptr << " (" << a.size
         << " bytes) was overwritten while live";
   }
@@ -254,7 +220,8 @@ class Worker {
         ++it;
         continue;
       }
-      EXPECT_TRUE(Pattern(it->tag).Matches(it->host.get(), it->bytes))
+      EXPECT_EQ(testing::BytePattern(it->tag).FirstMismatch(it->host.get(), 0, it->bytes),
+                it->bytes)
           << "thread " << index_ << ": a copy on another stream read a block after it was reused";
       s_.backend->destroy_event(0, it->done);
       it = copies_.erase(it);

@@ -191,10 +191,7 @@ TEST_F(OffloadPolicyTest, OffloadPrefetchRescueNeverSpillsTheEntryBeingAcquired)
 // One process per GPU is the common case: an auto budget must not ask the other devices for their
 // memory (on CUDA the question creates a context on each).
 TEST(OffloadBudget, OffloadAutoAsksOnlyTheDevicesInUse) {
-  SimBackend::Options options;
-  options.devices = 3;
-  options.capacity_bytes = 64 * kMiB;
-  auto backend = std::make_shared<CountingSimBackend>(options);
+  auto backend = CountingSimBackend::Make(3, 64 * kMiB);
   CachingAllocator allocator(backend, AllocatorConfig{});
   OffloadConfig config;
   config.policy = OffloadPolicy::kAuto;
