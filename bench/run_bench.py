@@ -33,7 +33,10 @@ def run(device, config, args, budget=None):
         cmd += ["--budget", str(budget)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        sys.exit(f"bench: {config} failed:\n{out.stderr}")
+        # The other configurations still run: one failure should not hide what the rest measure.
+        print(f"bench: {config} failed (exit {out.returncode}):\n{out.stderr}", file=sys.stderr)
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else
+                f"exit {out.returncode}"}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -57,7 +60,12 @@ def main():
         if config == "save_on_cpu" and device == "sim":
             results[config] = None  # host memory saving to host memory: no meaning
             continue
-        budget = results["default"]["peak_allocated"] // 2 if config == "auto" else None
+        budget = None
+        if config == "auto":
+            if "error" in results["default"]:
+                results[config] = {"error": "not run: configuration 1 failed"}
+                continue
+            budget = results["default"]["peak_allocated"] // 2
         results[config] = run(device, config, args, budget)
 
     base = results["default"]
@@ -76,7 +84,10 @@ def main():
         if r is None:
             print(f"| {label} | {na} | {na} | {na} | {na} | {na} | {na} |")
             continue
-        same = "yes (bitwise)" if r["losses"] == base["losses"] else "NO"
+        if "error" in r:
+            print(f"| {label} | FAILED: {r['error']} | | | | | |")
+            continue
+        same = "yes (bitwise)" if r["losses"] == base.get("losses") else "NO"
         print(f"| {label} | {r['peak_allocated'] / 2**20:.1f} | {r['peak_reserved'] / 2**20:.1f} | "
               f"{r['median_step_s']:.3f} | {r['bytes_to_host'] / 2**20:.1f} | "
               f"{r['stall_us'] / 1000:.1f} | {same} |")
@@ -96,6 +107,9 @@ def main():
         print(f"\nwrote {RESULTS}/train_step_{device}.json and .png")
     except ImportError:  # a GPU machine without matplotlib still gets the table and JSON
         print(f"\nwrote {RESULTS}/train_step_{device}.json (no matplotlib: no plot)")
+    failed = [c for c, r in results.items() if r is not None and "error" in r]
+    if failed:
+        sys.exit(f"bench: configurations failed: {', '.join(failed)}")
     if any(r is not None and r["losses"] != base["losses"] for r in results.values()):
         sys.exit("bench: some configuration's losses differ from configuration 1")
 
@@ -109,7 +123,7 @@ def plot(results, path, title, time_label):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for config, label in CONFIGS:
         r = results[config]
-        if r is None:
+        if r is None or "error" in r:
             continue
         ax.scatter(r["median_step_s"], r["peak_allocated"] / 2**20, s=60)
         ax.annotate(label, (r["median_step_s"], r["peak_allocated"] / 2**20),

@@ -9,8 +9,11 @@
 #   scripts/gpu_deps                 # beforehand, on a networked Debian 12 machine: build-deps/
 #   scripts/gpu_check.sh OUTDIR      # on the GPU machine, with build-deps/ carried along
 #
-# Every step runs even when an earlier one failed (a failed build skips what needs it); the exit
-# status is non-zero when any step failed.
+# Every step runs even when an earlier one failed (a failed build skips what needs it; when the
+# build against torch fails, a build without the torch layer still runs the C++ suites and the
+# CUDA allocator benchmark); the exit status is non-zero when any step failed. The steps share a
+# time budget (SPILLWAY_GPU_CHECK_BUDGET_S, default 450 s): each gets at most what is left, and
+# one that would start with under 10 s left is reported as skipped.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -21,17 +24,28 @@ build=$root/build-gpu
 py=${SPILLWAY_GPU_PYTHON:-python3}
 declare -a summary=()
 failed=0
+budget=${SPILLWAY_GPU_CHECK_BUDGET_S:-450}
 
 elapsed() { echo $(($(date +%s) - start)); }
+left() { echo $((budget - $(elapsed))); }
 record() {  # record STEP RESULT DETAIL
   summary+=("$(printf '| %-32s | %-7s | %s |' "$1" "$2" "$3")")
   [ "$2" = FAIL ] && failed=1
   echo "[$(elapsed) s] $1: $2 $3"
 }
-run_step() {  # run_step LOGNAME TIMEOUT_S CMD...: output to OUTDIR/LOGNAME.log
-  local log=$out/$1.log limit=$2
+run_step() {  # run_step LOGNAME TIMEOUT_S CMD...: output to OUTDIR/LOGNAME.log; 125 = no time
+  local log=$out/$1.log limit=$2 rest
   shift 2
+  rest=$(left)
+  if [ "$rest" -lt 10 ]; then
+    echo "not run: the check's ${budget} s budget is spent" >"$log"
+    return 125
+  fi
+  [ "$limit" -gt "$rest" ] && limit=$rest
   timeout "$limit" "$@" >"$log" 2>&1
+}
+verdict() {  # verdict RC: PASS, FAIL, or SKIP when the budget left no time to run it
+  case $1 in 0) echo PASS ;; 125) echo SKIP ;; *) echo FAIL ;; esac
 }
 
 # --- environment ---------------------------------------------------------------------------
@@ -41,11 +55,15 @@ run_step() {  # run_step LOGNAME TIMEOUT_S CMD...: output to OUTDIR/LOGNAME.log
   "$py" -c 'import torch, sys; print("python", sys.version.split()[0]); print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(), "devices", torch.cuda.device_count())' 2>&1
   (nvcc --version 2>/dev/null || /usr/local/cuda/bin/nvcc --version 2>/dev/null) | tail -1
   echo "cores $(nproc)"
+  echo "nvcc at: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || echo none)"
+  cmake --version 2>&1 | head -1
+  "${CXX:-c++}" --version 2>&1 | head -1
+  "$py" -c 'import torch.utils; print("torch cmake prefix", torch.utils.cmake_prefix_path)' 2>&1
 } >"$out/env.txt"
 cat "$out/env.txt"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
-torch_line=$(grep '^torch' "$out/env.txt")
+torch_line=$(grep -m1 '^torch [0-9]' "$out/env.txt")
 record "environment" INFO "${gpu:-no GPU}, driver ${driver:-?}; $torch_line"
 
 # --- dependencies: the system's, else build-deps/ from scripts/gpu_deps ------------------------
@@ -63,28 +81,42 @@ if ! "$py" -c 'import pytest' 2>/dev/null && [ -d "$deps/lib/python3/dist-packag
 fi
 
 # --- build -----------------------------------------------------------------------------------
-built=0
-if run_step build 330 bash -c "
-    cmake -S '$root' -B '$build' -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DPython3_EXECUTABLE=\"\$(command -v $py)\" -DSPILLWAY_WITH_FUZZ=OFF \
-      -DCMAKE_PREFIX_PATH='$prefix_path' &&
-    cmake --build '$build' -j $(nproc)"; then
+configure_and_build() {  # configure_and_build BUILD_DIR [CMAKE ARGS...]
+  local dir=$1
+  shift
+  cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DPython3_EXECUTABLE="$(command -v "$py")" -DSPILLWAY_WITH_FUZZ=OFF \
+    -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
+    -DCMAKE_PREFIX_PATH="$prefix_path" "$@" && cmake --build "$dir" -j "$(nproc)"
+}
+export -f configure_and_build  # run_step runs it under timeout, in a child shell
+export root py prefix_path
+built=0  # 1: with the torch layer; 2: without it (the torch build failed)
+if run_step build 330 bash -c 'configure_and_build "$@"' _ "$build"; then
   built=1
   adapter=no
   [ -x "$build/bench/spillway_native_compare_bench" ] && adapter=yes
   record "build" PASS "$(elapsed) s; c10 adapter: $adapter"
 else
   record "build" FAIL "see build.log (last lines: $(tail -3 "$out/build.log" | tr '\n' ' ' | cut -c1-150))"
+  build=$root/build-gpu-notorch
+  if run_step build_notorch 200 bash -c 'configure_and_build "$@"' _ "$build" \
+      -DSPILLWAY_WITH_TORCH=OFF; then
+    built=2
+    record "build without torch layer" PASS "$(elapsed) s (C++ suites and CUDA bench only)"
+  else
+    record "build without torch layer" FAIL "see build_notorch.log"
+  fi
 fi
 
 # --- C++ suites ------------------------------------------------------------------------------
-if [ $built = 1 ]; then
+if [ $built != 0 ]; then
   run_step ctest 150 ctest --test-dir "$build" --output-on-failure -j 8 --timeout 120
   rc=$?
   counts=$(grep -E "tests passed|tests failed" "$out/ctest.log" | tail -1)
   skipped=$(grep -c "\*\*\*Skipped\|Not Run" "$out/ctest.log")
   cuda_run=$(grep -E "Conformance.*Cuda|/Cuda|cuda" "$out/ctest.log" | grep -c "Passed")
-  record "C++ suites" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
+  record "C++ suites" "$(verdict $rc)" \
     "$counts; $skipped skipped; $cuda_run CUDA cases passed"
 fi
 
@@ -94,31 +126,34 @@ if [ $built = 1 ]; then
     SPILLWAY_PYTHON_SITE="$build/python-site" \
     "$py" -m pytest -q -p no:cacheprovider -rs --junitxml="$out/pytest.xml" "$root/tests/python"
   rc=$?
-  record "pytest (sim + cuda)" "$([ $rc = 0 ] && echo PASS || echo FAIL)" \
-    "$(tail -1 "$out/pytest.log")"
+  record "pytest (sim + cuda)" "$(verdict $rc)" "$(tail -1 "$out/pytest.log")"
   nccl=$(grep -o 'name="test_nccl[^"]*"[^>]*>\(<skipped\|<failure\|<error\)\?' "$out/pytest.xml" 2>/dev/null | head -1)
   case "$nccl" in
-    "") record "NCCL smoke (1 GPU)" FAIL "not found in pytest.xml" ;;
+    "") record "NCCL smoke (1 GPU)" "$([ $rc = 125 ] && echo SKIP || echo FAIL)" "not in pytest.xml" ;;
     *"<skipped"*) record "NCCL smoke (1 GPU)" SKIP "see pytest.log" ;;
     *"<failure"* | *"<error"*) record "NCCL smoke (1 GPU)" FAIL "see pytest.log" ;;
     *) record "NCCL smoke (1 GPU)" PASS "" ;;
   esac
+elif [ $built = 2 ]; then
+  record "pytest (sim + cuda)" FAIL "not run: needs the build against torch"
 fi
 
 # --- benchmarks ------------------------------------------------------------------------------
 if [ $built = 1 ] && [ -x "$build/bench/spillway_native_compare_bench" ]; then
-  if run_step native_compare_bench 150 "$build/bench/spillway_native_compare_bench" \
-      --benchmark_min_time=0.2 --benchmark_out="$out/native_compare.json" \
-      --benchmark_out_format=json; then
+  run_step native_compare_bench 150 "$build/bench/spillway_native_compare_bench" \
+    --benchmark_min_time=0.2 --benchmark_out="$out/native_compare.json" \
+    --benchmark_out_format=json
+  rc=$?
+  if [ $rc = 0 ]; then
     "$py" "$root/bench/compare_native.py" "$out/native_compare.json" >"$out/native_compare.md"
     record "native vs Spillway (C++)" PASS "table in native_compare.md"
   else
-    record "native vs Spillway (C++)" FAIL "see native_compare_bench.log"
+    record "native vs Spillway (C++)" "$(verdict $rc)" "see native_compare_bench.log"
   fi
-elif [ $built = 1 ]; then
+elif [ $built != 0 ]; then
   record "native vs Spillway (C++)" FAIL "no adapter: torch must be a CUDA build >= 2.4"
 fi
-if [ $built = 1 ]; then
+if [ $built != 0 ]; then
   run_step allocator_bench_cuda 60 "$build/bench/spillway_allocator_bench" \
     --benchmark_filter=/cuda --benchmark_min_time=0.1 \
     --benchmark_out="$out/allocator_bench_cuda.json" --benchmark_out_format=json
@@ -127,16 +162,21 @@ if [ $built = 1 ]; then
   if [ $rc = 0 ] && [ "${cases:-0}" -gt 0 ]; then
     record "allocator bench (CUDA backend)" PASS "$cases results in allocator_bench_cuda.json"
   else
-    record "allocator bench (CUDA backend)" FAIL "no CUDA results: see allocator_bench_cuda.log"
+    record "allocator bench (CUDA backend)" "$([ $rc = 125 ] && echo SKIP || echo FAIL)" \
+      "no CUDA results: see allocator_bench_cuda.log"
   fi
+fi
+if [ $built = 1 ]; then
   rm -f "$root/bench/results/train_step_cuda.json"
-  if run_step train_step_bench 200 env PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" \
-      "$py" "$root/bench/run_bench.py" --quick &&
-      [ -f "$root/bench/results/train_step_cuda.json" ]; then
-    cp "$root"/bench/results/train_step_cuda.* "$out/"
+  run_step train_step_bench 200 env PYTHONPATH="$build/python${PYTHONPATH:+:$PYTHONPATH}" \
+    "$py" "$root/bench/run_bench.py" --quick
+  rc=$?
+  [ -f "$root/bench/results/train_step_cuda.json" ] && cp "$root"/bench/results/train_step_cuda.* "$out/"
+  if [ $rc = 0 ] && [ -f "$out/train_step_cuda.json" ]; then
     record "training-step bench (cuda)" PASS "table in train_step_bench.log"
   else
-    record "training-step bench (cuda)" FAIL "see train_step_bench.log (no CUDA results)"
+    [ $rc = 0 ] && rc=1  # ran, but on no GPU: no CUDA results
+    record "training-step bench (cuda)" "$(verdict $rc)" "no CUDA results: see train_step_bench.log"
   fi
 fi
 
@@ -150,6 +190,10 @@ fi
   if [ -f "$out/native_compare.md" ]; then
     echo
     cat "$out/native_compare.md"
+  fi
+  if [ -f "$out/train_step_bench.log" ]; then
+    echo
+    grep '^|' "$out/train_step_bench.log"
   fi
 } | tee "$out/summary.md"
 exit $failed
