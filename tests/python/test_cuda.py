@@ -7,6 +7,7 @@ import textwrap
 import pytest
 import torch
 
+import spillway
 from conftest import run_script
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
