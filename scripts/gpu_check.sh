@@ -109,6 +109,13 @@ else
   fi
 fi
 
+# --- exports: the toolchain may link libstdc++ statically; none of it may leak ------------------
+if [ $built != 0 ]; then
+  run_step check_exports 30 "$root/scripts/check_exports" --only "$build"
+  rc=$?
+  record "shared objects export no C++ runtime" "$(verdict $rc)" "see check_exports.log"
+fi
+
 # --- C++ suites ------------------------------------------------------------------------------
 if [ $built != 0 ]; then
   # The CUDA cases one at a time, after the rest: a CUDA context another test process creates
@@ -126,14 +133,30 @@ fi
 
 # --- pytest: simulated device + cuda + NCCL smoke -------------------------------------------
 if [ $built = 1 ]; then
-  run_step pytest 240 env PYTHONPATH="$build/python:$root/bench${PYTHONPATH:+:$PYTHONPATH}" \
-    SPILLWAY_PYTHON_SITE="$build/python-site" \
-    "$py" -m pytest -q -p no:cacheprovider -rs --junitxml="$out/pytest.xml" "$root/tests/python"
-  rc=$?
-  record "pytest (sim + cuda)" "$(verdict $rc)" "$(tail -1 "$out/pytest.log")"
-  nccl=$(grep -o 'name="test_nccl[^"]*"[^>]*>\(<skipped\|<failure\|<error\)\?' "$out/pytest.xml" 2>/dev/null | head -1)
+  # One process per test file: a crash in one file (a segfault ends its process) does not hide
+  # the results of the others.
+  mkdir -p "$out/pytest"
+  : >"$out/pytest.log"
+  bad_files=()
+  rc=0
+  for file in "$root"/tests/python/test_*.py; do
+    name=$(basename "$file" .py)
+    run_step "pytest/$name" 150 env PYTHONPATH="$build/python:$root/bench${PYTHONPATH:+:$PYTHONPATH}" \
+      SPILLWAY_PYTHON_SITE="$build/python-site" "$py" -m pytest -q -p no:cacheprovider -rfEs \
+      --junitxml="$out/pytest/$name.xml" "$file"
+    file_rc=$?
+    echo "$name: exit $file_rc: $(tail -1 "$out/pytest/$name.log")" >>"$out/pytest.log"
+    if [ $file_rc != 0 ]; then
+      bad_files+=("$name")
+      [ $rc = 0 ] || [ $rc = 125 ] && rc=$file_rc
+    fi
+  done
+  totals=$(cat "$out"/pytest/*.log | grep -oE "[0-9]+ (passed|failed|skipped|errors?|deselected)" |
+    awk '{n[$2] += $1} END {for (k in n) printf "%d %s, ", n[k], k}')
+  record "pytest (sim + cuda)" "$(verdict $rc)" "${totals%, }${bad_files[*]:+; failing: ${bad_files[*]}}"
+  nccl=$(grep -ho 'name="test_nccl[^"]*"[^>]*>\(<skipped\|<failure\|<error\)\?' "$out"/pytest/*.xml 2>/dev/null | head -1)
   case "$nccl" in
-    "") record "NCCL smoke (1 GPU)" "$([ $rc = 125 ] && echo SKIP || echo FAIL)" "not in pytest.xml" ;;
+    "") record "NCCL smoke (1 GPU)" "$([ $rc = 125 ] && echo SKIP || echo FAIL)" "not in the results" ;;
     *"<skipped"*) record "NCCL smoke (1 GPU)" SKIP "see pytest.log" ;;
     *"<failure"* | *"<error"*) record "NCCL smoke (1 GPU)" FAIL "see pytest.log" ;;
     *) record "NCCL smoke (1 GPU)" PASS "" ;;

@@ -102,6 +102,7 @@ def test_out_of_memory_raises_torch_cuda_oom_with_spillway_message():
 @needs_adapter
 def test_record_stream_holds_reuse_back_until_the_stream_is_done():
     out = cuda_script("""
+        torch.cuda.memory._record_memory_history(max_entries=1000)
         side = torch.cuda.Stream()
         x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
         ptr = x.data_ptr()
@@ -111,7 +112,14 @@ def test_record_stream_holds_reuse_back_until_the_stream_is_done():
         x.record_stream(side)
         del x
         y = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        print("side busy", not side.query())
         print("not reused while pending", y.data_ptr() != ptr)
+        # What happened to x's block, for the failure message: a free_completed before y's alloc
+        # means the free did not wait for the side stream.
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        print("history", [(e["action"], e["stream"]) for e in trace if e["addr"] == ptr])
+        print("stats", {k: v for k, v in spillway.memory_stats().items()
+                        if k in ("num_sync_all_streams", "num_alloc_retries")})
         side.synchronize()
     """)
     assert "not reused while pending True" in out, out

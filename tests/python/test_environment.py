@@ -1,10 +1,12 @@
 """Loading from the environment: a plain script, unchanged, served by Spillway."""
 
 import os
+import site
+import textwrap
 
 import pytest
 
-from conftest import run_script
+import conftest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # scripts/build writes a user-site directory whose .pth puts the build on sys.path and runs the
@@ -27,6 +29,17 @@ PLAIN_SCRIPT = """
 """
 
 pytestmark = pytest.mark.skipif(SITE is None, reason="SPILLWAY_PYTHON_SITE not set (scripts/test sets it)")
+
+# A virtual environment's interpreter ignores PYTHONUSERBASE (no user site); there the .pth must
+# sit in a site directory. The child then adds that directory itself, first thing, exactly as the
+# interpreter processes its site-packages at start-up (README: "In a virtual environment").
+PRELUDE = "" if site.ENABLE_USER_SITE or SITE is None else (
+    "import glob, site\n"
+    f"site.addsitedir(glob.glob({SITE!r} + '/lib/python*/site-packages')[0])\n")
+
+
+def run_script(source, env):
+    return conftest.run_script(PRELUDE + textwrap.dedent(source), env=env)
 
 
 def lines_of(result):

@@ -101,10 +101,20 @@ def test_pytorchs_memory_viz_reads_it(tmp_path):
     after = spillway.snapshot()
     segments = snap["segments"]
     identity = lambda text: text  # noqa: E731 - skip flamegraph.pl (it downloads)
-    stats = _memory_viz.stats(segments)
-    assert stats["total_size"].value == sum(s["total_size"] for s in segments)
-    assert "active_allocated" in _memory_viz.segments(segments, format_flamegraph=identity)
-    assert _memory_viz.memory(segments, format_flamegraph=identity)
+    if hasattr(_memory_viz, "segsum"):
+        # torch 2.x: the helpers take the whole snapshot. segsum asserts that every byte of
+        # every segment is allocated, rounding, or free; trace walks the history.
+        summary = _memory_viz.segsum(snap)
+        assert f"segments: {len(segments)}" in summary
+        assert "active_allocated" in _memory_viz.segments(snap, format_flamegraph=identity)
+        assert _memory_viz.memory(snap, format_flamegraph=identity)
+        _memory_viz.trace(snap)
+    else:
+        # torch 1.13: they take the list of segments.
+        stats = _memory_viz.stats(segments)
+        assert stats["total_size"].value == sum(s["total_size"] for s in segments)
+        assert "active_allocated" in _memory_viz.segments(segments, format_flamegraph=identity)
+        assert _memory_viz.memory(segments, format_flamegraph=identity)
     _memory_viz.compare(segments, after["segments"], format_flamegraph=identity)
 
 
