@@ -127,6 +127,13 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext contex
     ++stats_.num_alloc_retries;
     block = FindFree(kind, stream, rounded);
     if (block == nullptr) block = AllocSegment(kind, stream, segment_size);
+    // Step 3, beyond PyTorch's allocator: a small request that still has nowhere to go takes free
+    // space in a large-pool segment (split by the large pool's rules) rather than fail while
+    // megabytes sit free there. Only here, at the edge of memory: it pins that segment, and
+    // PyTorch's pool separation is what keeps fragmentation low the rest of the time.
+    if (block == nullptr && kind == PoolKind::kSmall) {
+      block = FindFree(PoolKind::kLarge, stream, rounded);
+    }
   }
   if (block == nullptr) ThrowOutOfMemory(size, rounded);
   void* ptr = UseBlock(block, rounded, size, std::move(context));

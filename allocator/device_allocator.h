@@ -48,6 +48,7 @@ struct AllocationInfo {
   size_t requested = 0;  // caller's size
   int device = 0;
   StreamRef stream;
+  PoolKind pool = PoolKind::kSmall;  // the pool of the block's segment
 };
 
 struct SegmentRange {

@@ -256,14 +256,21 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
     EXPECT_EQ(info->stream.id, streams_[s].id);
     EXPECT_GE(info->size, rounded);
     if (info->size < size) return true;  // writing the pattern would run past the block
+    // A small request lands in the large pool only as the out-of-memory ladder's last step.
+    if (info->pool != pool) {
+      ++counts_.cross_pool;
+      EXPECT_EQ(pool, PoolKind::kSmall);
+      EXPECT_GT(alloc_.stats(0).num_alloc_retries, before.num_alloc_retries)
+          << "a small request took large-pool space before the out-of-memory ladder ran";
+    }
     if (info->size > rounded) {
-      EXPECT_FALSE(policy_.ShouldSplit(pool, info->size, rounded))
+      EXPECT_FALSE(policy_.ShouldSplit(info->pool, info->size, rounded))
           << "block of " << info->size << " for a " << rounded
           << "-byte request should have been split";
     }
     EXPECT_TRUE(policy_.AcceptsBlock(info->size, rounded)) << info->size << " for " << rounded;
 
-    LiveAlloc a{size, info->size, pool, s, next_tag_++, {}};
+    LiveAlloc a{size, info->size, info->pool, s, next_tag_++, {}};
     FillPattern(p, size, a.tag);
     live_.emplace(addr, std::move(a));
     ++model_allocations_total_;
@@ -288,7 +295,10 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
         EXPECT_TRUE(b.state != BlockState::kActivePendingFree)
             << "OOM with a pending free left at " << b.address;
         // ...and no cached block could serve the request.
-        if (seg.stream == streams_[s].id && seg.pool == pool && b.state == BlockState::kInactive &&
+        // (A small request may use the large pool as a last resort.)
+        const bool usable_pool =
+            seg.pool == pool || (pool == PoolKind::kSmall && seg.pool == PoolKind::kLarge);
+        if (seg.stream == streams_[s].id && usable_pool && b.state == BlockState::kInactive &&
             b.size >= rounded) {
           EXPECT_FALSE(policy_.AcceptsBlock(b.size, rounded))
               << "OOM although the free block at " << b.address << " of " << b.size
@@ -721,7 +731,8 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
   };
   struct Counts {
     int mallocs = 0, frees = 0, pending_frees = 0, pending_released = 0, ooms = 0, copies = 0,
-        syncs = 0, reused = 0, new_segments = 0, empty_caches = 0, drains = 0, limits = 0;
+        syncs = 0, reused = 0, new_segments = 0, empty_caches = 0, drains = 0, limits = 0,
+        cross_pool = 0;
   };
 
   std::mt19937_64 rng_;
@@ -754,10 +765,11 @@ TEST_P(AllocatorDifferentialTest, RandomOperationsMatchReferenceModel) {
   RecordProperty("ooms", c.ooms);
   std::printf(
       "[%s seed %llu] mallocs %d frees %d (pending %d, released by events %d) ooms %d copies %d "
-      "syncs %d best-fit reuses %d new segments %d empty_cache %d drains %d limits %d\n",
+      "syncs %d best-fit reuses %d new segments %d empty_cache %d drains %d limits %d "
+      "small-in-large %d\n",
       GetParam().name, static_cast<unsigned long long>(GetParam().seed), c.mallocs, c.frees,
       c.pending_frees, c.pending_released, c.ooms, c.copies, c.syncs, c.reused, c.new_segments,
-      c.empty_caches, c.drains, c.limits);
+      c.empty_caches, c.drains, c.limits, c.cross_pool);
   // The run must have exercised what it claims to check.
   EXPECT_GT(c.mallocs, kStepsPerSeed / 5);
   EXPECT_GT(c.pending_frees, kStepsPerSeed / 100);
