@@ -16,7 +16,7 @@ std::optional<AllocationInfo> DeviceAllocator::Lookup(const void* ptr) const {
   // Every block of a segment has the segment's stream; the segment holds its handle.
   const auto segment = SegmentContaining(b->ptr);
   return AllocationInfo{reinterpret_cast<void*>(b->ptr), b->size, b->requested, device_,
-                        segment->second.stream, b->pool};
+                        segment->second.stream,          b->pool};
 }
 
 DeviceAllocator::SegmentMap::const_iterator DeviceAllocator::SegmentContaining(
