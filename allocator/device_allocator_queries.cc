@@ -15,8 +15,12 @@ std::optional<AllocationInfo> DeviceAllocator::Lookup(const void* ptr) const {
   if (b == nullptr) return std::nullopt;
   // Every block of a segment has the segment's stream; the segment holds its handle.
   const auto segment = SegmentContaining(b->ptr);
-  return AllocationInfo{reinterpret_cast<void*>(b->ptr), b->size, b->requested, device_,
-                        segment->second.stream,          b->pool};
+  return AllocationInfo{.ptr = reinterpret_cast<void*>(b->ptr),
+                        .size = b->size,
+                        .requested = b->requested,
+                        .device = device_,
+                        .stream = segment->second.stream,
+                        .pool = b->pool};
 }
 
 DeviceAllocator::SegmentMap::const_iterator DeviceAllocator::SegmentContaining(
