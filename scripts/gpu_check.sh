@@ -126,7 +126,7 @@ if [ $built != 0 ]; then
   rc=$?
   counts=$(grep -E "tests passed|tests failed" "$out/ctest.log" | tr '\n' ' ')
   skipped=$(grep -c "\*\*\*Skipped\|Not Run" "$out/ctest.log")
-  cuda_run=$(grep "CudaTraits" "$out/ctest.log" | grep -c " Passed")
+  cuda_run=$(grep -E "CudaTraits|CudaAllocatorTest" "$out/ctest.log" | grep -c " Passed")
   record "C++ suites" "$(verdict $rc)" \
     "$counts; $skipped skipped; $cuda_run CUDA cases passed"
 fi
