@@ -133,25 +133,50 @@ fi
 
 # --- pytest: simulated device + cuda + NCCL smoke -------------------------------------------
 if [ $built = 1 ]; then
-  # One process per test file: a crash in one file (a segfault ends its process) does not hide
-  # the results of the others.
+  # One process per test file, so that a crash in one (a segfault ends its process) cannot hide
+  # the others' results; SPILLWAY_GPU_CHECK_JOBS files at a time (default: a quarter of the
+  # cores, at most 4; the GPU cases are small).
   mkdir -p "$out/pytest"
-  : >"$out/pytest.log"
-  bad_files=()
-  rc=0
-  for file in "$root"/tests/python/test_*.py; do
-    name=$(basename "$file" .py)
-    run_step "pytest/$name" 150 env PYTHONPATH="$build/python:$root/bench${PYTHONPATH:+:$PYTHONPATH}" \
-      SPILLWAY_PYTHON_SITE="$build/python-site" "$py" -m pytest -q -p no:cacheprovider -rfEs \
-      --junitxml="$out/pytest/$name.xml" "$file"
-    file_rc=$?
-    echo "$name: exit $file_rc: $(tail -1 "$out/pytest/$name.log")" >>"$out/pytest.log"
-    if [ $file_rc != 0 ]; then
-      bad_files+=("$name")
-      [ $rc = 0 ] || [ $rc = 125 ] && rc=$file_rc
+  jobs=${SPILLWAY_GPU_CHECK_JOBS:-$(( $(nproc) / 4 ))}
+  [ "$jobs" -ge 1 ] || jobs=1
+  [ "$jobs" -le 4 ] || jobs=4
+  pytest_file() {  # pytest_file DEADLINE FILE: results in OUTDIR/pytest/NAME.{log,xml,rc}
+    local name rest
+    name=$(basename "$2" .py)
+    rest=$(($1 - $(date +%s)))
+    if [ "$rest" -lt 5 ]; then
+      echo "not run: the check's time budget is spent" >"$out/pytest/$name.log"
+      echo 125 >"$out/pytest/$name.rc"
+      return
     fi
-  done
-  totals=$(cat "$out"/pytest/*.log | grep -oE "[0-9]+ (passed|failed|skipped|errors?|deselected)" |
+    timeout "$rest" env PYTHONPATH="$build/python:$root/bench${PYTHONPATH:+:$PYTHONPATH}" \
+      SPILLWAY_PYTHON_SITE="$build/python-site" "$py" -m pytest -q -p no:cacheprovider -rfEs \
+      --junitxml="$out/pytest/$name.xml" "$2" >"$out/pytest/$name.log" 2>&1
+    echo $? >"$out/pytest/$name.rc"
+  }
+  export -f pytest_file
+  export out build
+  limit=$(left)
+  [ "$limit" -gt 240 ] && limit=240
+  rc=0
+  bad_files=()
+  if [ "$limit" -lt 10 ]; then
+    rc=125
+  else
+    printf '%s\n' "$root"/tests/python/test_*.py |
+      xargs -P "$jobs" -I{} bash -c 'pytest_file "$0" "$1"' "$(($(date +%s) + limit))" {}
+    : >"$out/pytest.log"
+    for result in "$out"/pytest/*.rc; do
+      name=$(basename "$result" .rc)
+      file_rc=$(cat "$result")
+      echo "$name: exit $file_rc: $(tail -1 "$out/pytest/$name.log")" >>"$out/pytest.log"
+      if [ "$file_rc" != 0 ]; then
+        bad_files+=("$name")
+        [ $rc = 0 ] && rc=$file_rc
+      fi
+    done
+  fi
+  totals=$(cat "$out"/pytest/*.log 2>/dev/null | grep -oE "[0-9]+ (passed|failed|skipped|errors?|deselected)" |
     awk '{n[$2] += $1} END {for (k in n) printf "%d %s, ", n[k], k}')
   record "pytest (sim + cuda)" "$(verdict $rc)" "${totals%, }${bad_files[*]:+; failing: ${bad_files[*]}}"
   nccl=$(grep -ho 'name="test_nccl[^"]*"[^>]*>\(<skipped\|<failure\|<error\)\?' "$out"/pytest/*.xml 2>/dev/null | head -1)

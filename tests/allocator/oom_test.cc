@@ -112,12 +112,12 @@ TEST_F(OomTest, FailedAllocationLeavesStateUnchanged) {
 TEST_F(OomTest, SmallRequestTakesLargePoolSpaceOnlyAsTheLastStep) {
   Reset(AllocatorConfig{}, 20 * kMiB);  // room for one large segment and nothing else
   void* big = Alloc(2 * kMiB);          // a 20 MiB large-pool segment, 18 MiB of it free
-  void* small = Alloc(512 * 1024);      // no room for a 2 MiB small segment
+  void* small = Alloc(kMiB / 2);        // no room for a 2 MiB small segment
   ASSERT_NE(small, nullptr);
   const std::optional<AllocationInfo> info = allocator_->Lookup(small);
   ASSERT_TRUE(info.has_value());
   EXPECT_EQ(info->pool, PoolKind::kLarge);
-  EXPECT_EQ(info->size, 512u * 1024);  // split off, by the large pool's rules
+  EXPECT_EQ(info->size, kMiB / 2);  // split off, by the large pool's rules
   EXPECT_EQ(allocator_->SegmentOf(small)->base, allocator_->SegmentOf(big)->base);
   EXPECT_EQ(Stat("num_alloc_retries"), 1);  // after the rest of the ladder, not before
   EXPECT_EQ(Stat("num_ooms"), 0);
@@ -132,7 +132,7 @@ TEST_F(OomTest, SmallRequestTakesLargePoolSpaceOnlyAsTheLastStep) {
 
 TEST_F(OomTest, SmallRequestGetsItsOwnPoolWhileTheDeviceHasRoom) {
   void* big = Alloc(2 * kMiB);  // 18 MiB free in the large pool
-  void* small = Alloc(512 * 1024);
+  void* small = Alloc(kMiB / 2);
   EXPECT_EQ(allocator_->Lookup(small)->pool, PoolKind::kSmall);
   EXPECT_EQ(Stat("segment.small_pool.current"), 1);
   EXPECT_EQ(Stat("num_alloc_retries"), 0);
@@ -144,7 +144,7 @@ TEST_F(OomTest, SmallRequestDoesNotTakeLargePoolSpaceOfAnotherStream) {
   Reset(AllocatorConfig{}, 20 * kMiB);
   const StreamRef other = backend_->create_stream(0);
   void* big = Alloc(2 * kMiB, other);  // the free 18 MiB belong to `other`
-  EXPECT_THROW(Alloc(512 * 1024, stream_), OutOfMemoryError);
+  EXPECT_THROW(Alloc(kMiB / 2, stream_), OutOfMemoryError);
   allocator_->Free(big);
 }
 
