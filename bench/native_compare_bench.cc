@@ -11,15 +11,23 @@
 //
 // <allocator> is "native" or "spillway"; bench/compare_native.py turns the JSON output into a
 // table of both columns and their ratio. Built only against a CUDA torch >= 2.4; needs a GPU.
+//
+// Before timing anything, both allocators go through the same correctness check of
+// record_stream (a block used by a busy side stream must not be handed out again until that
+// stream is done); the native allocator is the control. The exit status is non-zero when
+// Spillway fails it.
 #include <benchmark/benchmark.h>
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "allocator/config.h"
@@ -107,6 +115,35 @@ void TraceReplay(benchmark::State& state, cca::CUDAAllocator* alloc, const std::
   state.counters["fragmentation"] = fragmentation;
 }
 
+// A host function enqueued on a stream holds the stream until it returns.
+void CUDART_CB HoldTheStream(void* /*unused*/) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+}
+
+// True when a 1 MiB block freed after record_stream on a busy side stream is not the block the
+// next 1 MiB allocation gets while the side stream is still busy.
+bool RecordStreamHoldsReuse(const std::string& name, cca::CUDAAllocator* alloc) {
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+  c10::DataPtr x = alloc->allocate(size_t{1} << 20);
+  const void* const first = x.get();
+  if (cudaLaunchHostFunc(side.stream(), HoldTheStream, nullptr) != cudaSuccess) {
+    std::fprintf(stderr, "record_stream check (%s): cudaLaunchHostFunc failed\n", name.c_str());
+    return false;
+  }
+  alloc->recordStream(x, side);
+  x.clear();  // the free, while the side stream is busy
+  c10::DataPtr y = alloc->allocate(size_t{1} << 20);
+  const bool held = y.get() != first;
+  const bool busy = cudaStreamQuery(side.stream()) == cudaErrorNotReady;
+  (void)cudaGetLastError();  // "not ready" is an answer, not an error
+  side.synchronize();
+  std::fprintf(stderr, "record_stream check (%s): %s (side stream still busy at the check: %s)\n",
+               name.c_str(), held ? "held back" : "REUSED WHILE IN USE", busy ? "yes" : "no");
+  y.clear();
+  alloc->emptyCache();
+  return held;
+}
+
 void RegisterAll(const std::string& name, cca::CUDAAllocator* alloc) {
   benchmark::RegisterBenchmark(("CachedMallocFree/" + name + "/4KiB").c_str(), CachedMallocFree,
                                alloc, 4 * kKiB);
@@ -146,9 +183,11 @@ int main(int argc, char** argv) {
   auto* ours = dynamic_cast<cca::CUDAAllocator*>(
       spillway::torch_layer::CudaAllocatorAdapter(spillway::ProcessAllocator()));
   ours->init(devices);
+  spillway::RecordStreamHoldsReuse("native", native);  // the control
+  const bool ours_ok = spillway::RecordStreamHoldsReuse("spillway", ours);
   spillway::RegisterAll("native", native);
   spillway::RegisterAll("spillway", ours);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
-  return 0;
+  return ours_ok ? 0 : 1;
 }

@@ -16,12 +16,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device (or torch without CUDA)")
 
 
-def cuda_script(body):
+def cuda_script(body, install=True):
+    """Runs `body` in a fresh process on device="cuda", with Spillway installed (or, for a
+    control, with PyTorch's own allocator); returns its stdout."""
     result = run_script(textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {BENCH!r})
         import torch, spillway, tiny_lm
-        spillway.install("cuda")
+        if {install!r}:
+            spillway.install("cuda")
         torch.use_deterministic_algorithms(True)
     """) + textwrap.dedent(body), env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
     assert result.returncode == 0, result.stderr
@@ -99,9 +102,7 @@ def test_out_of_memory_raises_torch_cuda_oom_with_spillway_message():
     assert "oom True" in out, out
 
 
-@needs_adapter
-def test_record_stream_holds_reuse_back_until_the_stream_is_done():
-    out = cuda_script("""
+RECORD_STREAM_SCRIPT = """
         torch.cuda.memory._record_memory_history(max_entries=1000)
         side = torch.cuda.Stream()
         x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
@@ -118,10 +119,18 @@ def test_record_stream_holds_reuse_back_until_the_stream_is_done():
         # means the free did not wait for the side stream.
         trace = torch.cuda.memory._snapshot()["device_traces"][0]
         print("history", [(e["action"], e["stream"]) for e in trace if e["addr"] == ptr])
-        print("stats", {k: v for k, v in spillway.memory_stats().items()
+        print("stats", {k: v for k, v in torch.cuda.memory_stats().items()
                         if k in ("num_sync_all_streams", "num_alloc_retries")})
         side.synchronize()
-    """)
+"""
+
+
+@needs_adapter
+def test_record_stream_holds_reuse_back_until_the_stream_is_done():
+    # The control: PyTorch's own allocator must pass the same script, or its premise is wrong.
+    control = cuda_script(RECORD_STREAM_SCRIPT, install=False)
+    assert "not reused while pending True" in control, "control (PyTorch's allocator): " + control
+    out = cuda_script(RECORD_STREAM_SCRIPT)
     assert "not reused while pending True" in out, out
 
 
