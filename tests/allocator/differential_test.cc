@@ -46,13 +46,14 @@
 #include "allocator/stats.h"
 #include "gtest/gtest.h"
 #include "tests/allocator/byte_pattern.h"
+#include "tests/allocator/test_util.h"
 #include "tests/sanitizers.h"
 
 namespace spillway {
 namespace {
 
-constexpr size_t kKiB = size_t{1} << 10;
-constexpr size_t kMiB = size_t{1} << 20;
+using testing::kKiB;
+using testing::kMiB;
 constexpr int kNumStreams = 3;
 constexpr size_t kCapacity = 256 * kMiB;
 // Copies on other streams touch at most this prefix of a block (keeps the test fast).

@@ -14,24 +14,26 @@
 #include "allocator/sim_backend.h"
 #include "allocator/snapshot.h"
 #include "gtest/gtest.h"
+#include "tests/allocator/test_util.h"
 
-namespace spillway {
+namespace spillway::testing {
 namespace {
 
-constexpr size_t kKiB = size_t{1} << 10;
-constexpr size_t kMiB = size_t{1} << 20;
+using namespace std::chrono_literals;
 
-// One 64 MiB simulated device whose stream operations run after up to `jitter` (so an unordered
-// read can really see stale data).
-std::shared_ptr<SimBackend> Device(std::chrono::microseconds jitter) {
-  return std::make_shared<SimBackend>(
-      SimBackend::Options{.devices = 1, .capacity_bytes = 64 * kMiB, .max_jitter = jitter});
+// The free took effect at once: nothing allocated, active or requested any more.
+void ExpectFreedAtOnce(const CachingAllocator& alloc) {
+  const DeviceStats stats = alloc.stats(0);
+  EXPECT_EQ(stats.allocation.all().current, 0);
+  EXPECT_EQ(stats.active.all().current, 0);
+  EXPECT_EQ(stats.active_bytes.all().current, 0);
+  EXPECT_EQ(stats.requested_bytes.all().current, 0);
 }
 
 // Directed: a free with a stream use stays active_pending_free, whatever the use stream does,
 // until events are processed; once that stream is synchronized, processing releases it.
 TEST(PendingFreeTest, PendingFreeReleasedOnlyByEventProcessing) {
-  auto backend = Device(std::chrono::microseconds(2000));
+  auto backend = std::make_shared<SimBackend>(JitterOptions(2000us));
   CachingAllocator alloc(backend, AllocatorConfig{});
   const StreamRef a = backend->default_stream(0);
   const StreamRef b = backend->create_stream(0);
@@ -75,7 +77,7 @@ TEST(PendingFreeTest, PendingFreeReleasedOnlyByEventProcessing) {
 // When the event for a stream use cannot be recorded, the free waits for that stream on the host
 // instead: the block is free at once, not pending and not lost.
 TEST(PendingFreeTest, FreeFallsBackToHostWaitWhenEventRecordFails) {
-  auto backend = Device(std::chrono::microseconds(500));
+  auto backend = std::make_shared<SimBackend>(JitterOptions(500us));
   CachingAllocator alloc(backend, AllocatorConfig{});
   const StreamRef a = backend->default_stream(0);
   const StreamRef b = backend->create_stream(0);
@@ -98,9 +100,7 @@ TEST(PendingFreeTest, FreeFallsBackToHostWaitWhenEventRecordFails) {
   EXPECT_NO_THROW(alloc.Free(p));
   backend->fail_event_after(-1);
   EXPECT_TRUE(backend->query_event(0, copied)) << "the free did not wait for stream b";
-  const DeviceStats stats = alloc.stats(0);
-  EXPECT_EQ(stats.active.all().current, 0);
-  EXPECT_EQ(stats.requested_bytes.all().current, 0);
+  ExpectFreedAtOnce(alloc);
   EXPECT_EQ(alloc.Malloc(4096, 0, a), p);
   backend->destroy_event(0, copied);
 }
@@ -108,7 +108,7 @@ TEST(PendingFreeTest, FreeFallsBackToHostWaitWhenEventRecordFails) {
 // Same when the event cannot even be created (no spare event yet): the block must not be lost
 // half-freed, with Free throwing and the block in neither the pool nor the live set.
 TEST(PendingFreeTest, FreeFallsBackToHostWaitWhenEventCreationFails) {
-  auto backend = Device(std::chrono::microseconds(0));
+  auto backend = std::make_shared<SimBackend>(JitterOptions(0us));
   CachingAllocator alloc(backend, AllocatorConfig{});
   const StreamRef a = backend->default_stream(0);
   const StreamRef b = backend->create_stream(0);
@@ -117,21 +117,16 @@ TEST(PendingFreeTest, FreeFallsBackToHostWaitWhenEventCreationFails) {
   backend->fail_event_after(1);  // the allocator's first create_event
   EXPECT_NO_THROW(alloc.Free(p));
   backend->fail_event_after(-1);
-  DeviceStats stats = alloc.stats(0);
-  EXPECT_EQ(stats.allocation.all().current, 0);
-  EXPECT_EQ(stats.active.all().current, 0);
-  EXPECT_EQ(stats.active_bytes.all().current, 0);
-  EXPECT_EQ(stats.requested_bytes.all().current, 0);
+  ExpectFreedAtOnce(alloc);
   const Snapshot snap = alloc.TakeSnapshot();
   ASSERT_EQ(snap.segments.size(), 1u);
   EXPECT_EQ(snap.segments[0].blocks.size(), 1u) << "the freed block was not merged back";
   EXPECT_EQ(alloc.Malloc(4096, 0, a), p) << "the freed block was lost";
   alloc.Free(p);
   alloc.EmptyCache();
-  stats = alloc.stats(0);
-  EXPECT_EQ(stats.reserved_bytes.all().current, 0) << "the segment could not be released";
+  EXPECT_EQ(alloc.stats(0).reserved_bytes.all().current, 0) << "the segment could not be released";
   EXPECT_EQ(backend->bytes_in_use(0), 0u);
 }
 
 }  // namespace
-}  // namespace spillway
+}  // namespace spillway::testing

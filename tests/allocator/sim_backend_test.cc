@@ -37,14 +37,6 @@ namespace {
 using ::testing::HasSubstr;
 using namespace std::chrono_literals;
 
-SimBackend::Options JitterOptions(std::chrono::microseconds jitter) {
-  SimBackend::Options options;
-  options.capacity_bytes = 64 * kMiB;
-  options.max_jitter = jitter;
-  options.seed = 1234;
-  return options;
-}
-
 TEST(SimBackendTest, EnqueueReturnsBeforeTheCopyRuns) {
   // Race-free evidence of asynchrony (valid under TSan): the completion counter and an event
   // recorded right after the copy still show it pending.

@@ -25,13 +25,14 @@
 #include "allocator/stats.h"
 #include "gtest/gtest.h"
 #include "tests/allocator/byte_pattern.h"
+#include "tests/allocator/test_util.h"
 #include "tests/sanitizers.h"
 
 namespace spillway {
 namespace {
 
-constexpr size_t kKiB = size_t{1} << 10;
-constexpr size_t kMiB = size_t{1} << 20;
+using testing::kKiB;
+using testing::kMiB;
 constexpr int kThreads = 4;
 constexpr int kSharedStreams = 3;  // the default stream and two created ones
 #if defined(SPILLWAY_UNDER_TSAN)

@@ -1,17 +1,30 @@
-// Helpers shared by the allocator test files: sizes, unwrapping a StatusOr, and byte patterns to
-// fill and check buffers with.
+// Helpers shared by the allocator test files: sizes, a jittered simulated device, unwrapping a
+// StatusOr, and byte patterns to fill and check buffers with.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <utility>
 
 #include "absl/status/statusor.h"
+#include "allocator/sim_backend.h"
 
 namespace spillway::testing {
 
+inline constexpr size_t kKiB = size_t{1} << 10;
 inline constexpr size_t kMiB = size_t{1} << 20;
+
+// One 64 MiB simulated device whose stream operations run after up to `jitter`, so that a read
+// that skips a wait can really see stale data.
+inline SimBackend::Options JitterOptions(std::chrono::microseconds jitter) {
+  SimBackend::Options options;
+  options.capacity_bytes = 64 * kMiB;
+  options.max_jitter = jitter;
+  options.seed = 1234;
+  return options;
+}
 
 // Fails the current test (gtest reports the exception) instead of returning an unusable value.
 template <typename T>
