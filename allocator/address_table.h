@@ -1,10 +1,13 @@
-// AddressTable: the map from a live allocation's address to its Block. Internal to the allocator.
+// AddressTable: the map from a live allocation's address to its block id. Internal to the
+// allocator.
 //
 // Every free looks its pointer up here, so with many live allocations this lookup is a cache
-// miss on every call. A general-purpose Swiss table (absl::flat_hash_map) keeps control bytes
-// and slots in separate arrays: two misses per lookup. This table keeps key and value together
-// in one 16-byte slot and probes linearly, so a lookup is almost always one cache line. Deletion
-// shifts the following entries back (no tombstones), so probe runs never degrade under churn.
+// miss on every call, and the table's size decides how often. A slot is 8 bytes: the block id
+// and 32 bits of the address's hash, not the address itself. A matching hash is confirmed by
+// reading the address from the block (`key_of`), which the caller reads next anyway, so a lookup
+// still costs one cache line of table and the table is half the size of one that stores
+// addresses. Linear probing; deletion shifts the following entries back (no tombstones), so probe
+// runs never degrade under churn.
 #pragma once
 
 #include <bit>
@@ -14,45 +17,56 @@
 
 namespace spillway {
 
-template <typename Value>
 class AddressTable {
  public:
+  // Values are non-zero (0 marks an empty slot); `key_of(value)` gives back the key stored with
+  // `value`. Keys are non-zero (no allocation lives at address 0).
   AddressTable() : slots_(kMinCapacity) {}
 
   size_t size() const { return size_; }
 
-  // Null when `key` is absent. Key 0 is never stored (no allocation lives at address 0).
-  Value* Find(uintptr_t key) const {
-    if (key == 0) return nullptr;
-    for (size_t i = Home(key);; i = Next(i)) {
+  // 0 when `key` is absent.
+  template <typename KeyOf>
+  uint32_t Find(uintptr_t key, KeyOf key_of) const {
+    if (key == 0) return 0;
+    const uint64_t hash = Hash(key);
+    const auto tag = static_cast<uint32_t>(hash >> 32);
+    for (size_t i = Home(hash);; i = Next(i)) {
       const Slot& slot = slots_[i];
-      if (slot.key == key) return slot.value;
-      if (slot.key == 0) return nullptr;
+      if (slot.value == 0) return 0;
+      if (slot.tag == tag && key_of(slot.value) == key) return slot.value;
     }
   }
 
-  // `key` must be non-zero and absent (the allocator inserts each live address once).
-  void Insert(uintptr_t key, Value* value) {
+  // `key` must be non-zero and absent, `value` non-zero (the allocator inserts each live address
+  // once).
+  void Insert(uintptr_t key, uint32_t value) {
     if ((size_ + 1) * kMaxLoadDen > slots_.size() * kMaxLoadNum) Grow();
-    Place(key, value);
+    Place(Slot{static_cast<uint32_t>(Hash(key) >> 32), value});
     ++size_;
   }
 
-  // Returns false when `key` is absent.
-  bool Erase(uintptr_t key) {
-    if (key == 0) return false;
-    size_t hole = Home(key);
-    while (slots_[hole].key != key) {
-      if (slots_[hole].key == 0) return false;
-      hole = Next(hole);
+  // Removes `key` and returns its value; 0 (and no change) when `key` is absent.
+  template <typename KeyOf>
+  uint32_t Take(uintptr_t key, KeyOf key_of) {
+    if (key == 0) return 0;
+    const uint64_t hash = Hash(key);
+    const auto tag = static_cast<uint32_t>(hash >> 32);
+    size_t hole = Home(hash);
+    for (;; hole = Next(hole)) {
+      const Slot& slot = slots_[hole];
+      if (slot.value == 0) return 0;
+      if (slot.tag == tag && key_of(slot.value) == key) break;
     }
+    const uint32_t value = slots_[hole].value;
     // Backward-shift deletion: move each later entry of the run into the hole when the hole lies
     // on its probe path (between its home slot and where it sits), so lookups never need
-    // tombstones.
+    // tombstones. An entry's home comes from its tag: the tag is the hash's top 32 bits, and the
+    // home is its top log2(capacity) bits.
     for (size_t i = Next(hole);; i = Next(i)) {
       const Slot& slot = slots_[i];
-      if (slot.key == 0) break;
-      const size_t home = Home(slot.key);
+      if (slot.value == 0) break;
+      const size_t home = TagHome(slot.tag);
       const bool hole_on_path = hole <= i ? (home <= hole || home > i) : (home <= hole && home > i);
       if (hole_on_path) {
         slots_[hole] = slot;
@@ -61,33 +75,36 @@ class AddressTable {
     }
     slots_[hole] = Slot{};
     --size_;
-    return true;
+    return value;
   }
 
   // Starts loading the cache line `key` would be looked up in.
-  void Prefetch(uintptr_t key) const { __builtin_prefetch(&slots_[Home(key)]); }
+  void Prefetch(uintptr_t key) const { __builtin_prefetch(&slots_[Home(Hash(key))]); }
 
  private:
   struct Slot {
-    uintptr_t key = 0;
-    Value* value = nullptr;
+    uint32_t tag = 0;
+    uint32_t value = 0;  // 0: empty
   };
   static constexpr size_t kMinCapacity = 64;
   // Grow past 3/4 full: linear probing's expected run is still about two slots there.
   static constexpr size_t kMaxLoadNum = 3;
   static constexpr size_t kMaxLoadDen = 4;
 
-  size_t Home(uintptr_t key) const {
+  static uint64_t Hash(uintptr_t key) {
     // Allocations are 512-byte aligned, so the low bits carry nothing; Fibonacci hashing spreads
-    // the rest and the top bits pick the slot.
-    return static_cast<size_t>(((key >> 9) * 0x9E3779B97F4A7C15ull) >> shift_);
+    // the rest into the top bits, which pick the slot and make the tag.
+    return (static_cast<uint64_t>(key) >> 9) * 0x9E3779B97F4A7C15ull;
   }
+  size_t Home(uint64_t hash) const { return static_cast<size_t>(hash >> shift_); }
+  // The home from the tag alone (shift_ >= 32: the table never has more than 2^32 slots).
+  size_t TagHome(uint32_t tag) const { return static_cast<size_t>(tag >> (shift_ - 32)); }
   size_t Next(size_t i) const { return (i + 1) & (slots_.size() - 1); }
 
-  void Place(uintptr_t key, Value* value) {
-    size_t i = Home(key);
-    while (slots_[i].key != 0) i = Next(i);
-    slots_[i] = Slot{key, value};
+  void Place(const Slot& entry) {
+    size_t i = TagHome(entry.tag);
+    while (slots_[i].value != 0) i = Next(i);
+    slots_[i] = entry;
   }
 
   void Grow() {
@@ -95,7 +112,7 @@ class AddressTable {
     old.swap(slots_);
     shift_ = 64 - std::countr_zero(slots_.size());
     for (const Slot& slot : old) {
-      if (slot.key != 0) Place(slot.key, slot.value);
+      if (slot.value != 0) Place(slot);
     }
   }
 

@@ -1,4 +1,11 @@
 // Blocks, the free-block index and the arena blocks live in. Internal to the allocator.
+//
+// Why blocks are 32 bytes and linked by 32-bit ids: with 100k live allocations every free and
+// malloc touches a handful of blocks at random (the block, its neighbours, a split's remainder),
+// and each touch is a cache miss once the metadata outgrows the last-level cache. Half-size
+// blocks halve that footprint, which is what keeps per-operation time close to flat as the
+// number of live allocations grows (bench/complexity.py counts it; spillway_allocator_bench
+// times it).
 #pragma once
 
 #include <algorithm>
@@ -6,6 +13,7 @@
 #include <cstdint>
 #include <iterator>
 #include <memory>
+#include <stdexcept>
 #include <vector>
 
 #include "absl/container/btree_set.h"
@@ -17,41 +25,43 @@
 
 namespace spillway {
 
-// What only some blocks need: streams recorded by record_stream and the trace context gathered
-// when history is on. Kept out of line so that the fields every malloc and free touch fit in one
-// cache line (with 100k live blocks the working set leaves the caches, and every line counts).
+// A block's index in its BlockArena. 0 is never a block: it stands for "none".
+using BlockId = uint32_t;
+inline constexpr BlockId kNoBlock = 0;
+
+// What only some blocks need, kept out of line: streams recorded by record_stream, the events
+// still pending for them after a free, and the trace context gathered when history is on.
 struct BlockExtras {
   absl::InlinedVector<StreamRef, 1> stream_uses;
   TraceContext context;
+  int32_t event_count = 0;  // stream-use events still pending after a free
 };
 
 // A contiguous range of one segment. A segment starts as one block and is split and re-merged;
 // `prev`/`next` link the blocks of a segment in address order. Every block of a segment belongs
-// to the segment's allocation stream, so only its id is kept here (the handle is the segment's).
-struct alignas(64) Block {
+// to the segment's allocation stream, named here by its slot in the device's StreamSlots.
+struct alignas(32) Block {
   uintptr_t ptr = 0;
-  size_t size = 0;
-  size_t requested = 0;  // caller's size while allocated
-  uint64_t stream = 0;   // StreamRef::id of the allocation stream: the only stream it is reused on
-  Block* prev = nullptr;
-  Block* next = nullptr;
-  // Created on first use and kept while the Block object is recycled, so a program that records
-  // streams or history allocates these once per Block object, not once per malloc.
-  std::unique_ptr<BlockExtras> extras;
-  int32_t event_count = 0;  // stream-use events still pending after a free
+  size_t requested = 0;  // caller's size while allocated (or pending)
+  uint32_t units = 0;    // size / kMinBlockSize
+  BlockId prev = kNoBlock;
+  BlockId next = kNoBlock;
+  uint16_t stream = 0;  // StreamSlots slot of the allocation stream: the only one it is reused on
   PoolKind pool = PoolKind::kSmall;
-  bool allocated = false;
+  bool allocated : 1 = false;
+  bool pending : 1 = false;     // freed, waiting for stream-use events (extras' event_count > 0)
+  bool has_extras : 1 = false;  // the arena holds a BlockExtras for it (kept when recycled)
 
-  bool is_split() const { return prev != nullptr || next != nullptr; }
-  bool is_free() const { return !allocated && event_count == 0; }
-  bool has_stream_uses() const { return extras != nullptr && !extras->stream_uses.empty(); }
-  BlockExtras& mutable_extras() {
-    if (extras == nullptr) extras = std::make_unique<BlockExtras>();
-    return *extras;
-  }
-  const TraceContext* context() const { return extras != nullptr ? &extras->context : nullptr; }
+  size_t size() const { return size_t{units} * kMinBlockSize; }
+  // Every block size is a multiple of kMinBlockSize below kMaxBlockSize (see BlockArena).
+  void set_size(size_t bytes) { units = static_cast<uint32_t>(bytes / kMinBlockSize); }
+  bool is_split() const { return prev != kNoBlock || next != kNoBlock; }
+  bool is_free() const { return !allocated && !pending; }
 };
-static_assert(sizeof(Block) == 64, "Block's hot fields must fit one cache line");
+static_assert(sizeof(Block) == 32, "two blocks per cache line: see the comment at the top");
+// The largest block `units` can describe; kMaxRequest keeps every rounded request below it.
+inline constexpr size_t kMaxBlockSize = size_t{UINT32_MAX} * kMinBlockSize;
+static_assert(kMaxRequest + kRoundLarge <= kMaxBlockSize, "a rounded request must fit a Block");
 
 // Key of a free block within one stream's tree. Ordered by (size, address) so that `lower_bound`
 // finds the smallest block that fits, lowest address first among equals (PyTorch's order): best
@@ -61,27 +71,27 @@ static_assert(sizeof(Block) == 64, "Block's hot fields must fit one cache line")
 struct FreeKey {
   size_t size;
   uintptr_t ptr;
-  Block* block;
+  BlockId block;
 
   friend bool operator<(const FreeKey& a, const FreeKey& b) {
     return a.size < b.size || (a.size == b.size && a.ptr < b.ptr);
   }
 };
 
-// The free blocks of one pool, a best-fit tree per allocation stream.
+// The free blocks of one pool, a best-fit tree per allocation stream (by StreamRef::id).
 class FreeIndex {
  public:
-  void Insert(Block* b) { TreeFor(b->stream).Insert(FreeKey{b->size, b->ptr, b}); }
-  void Erase(const Block* b) {
-    if (Tree* tree = FindTree(b->stream)) tree->Erase(FreeKey{b->size, b->ptr, nullptr});
+  void Insert(uint64_t stream, const FreeKey& key) { TreeFor(stream).Insert(key); }
+  void Erase(uint64_t stream, const FreeKey& key) {
+    if (Tree* tree = FindTree(stream)) tree->Erase(key);
   }
   // Removes and returns the smallest free block on `stream` with size >= `size`, if `accept`
-  // takes its key; else null and the index is unchanged. One tree descent for find and erase.
-  // `accept` sees the key, not the block, so the block's cache miss can overlap the erase.
+  // takes its key; else kNoBlock and the index is unchanged. One tree descent for find and
+  // erase. `accept` sees the key, not the block, so the block's cache miss can overlap the erase.
   template <typename Accept>
-  Block* TakeBestFit(uint64_t stream, size_t size, Accept accept) {
+  BlockId TakeBestFit(uint64_t stream, size_t size, Accept accept) {
     Tree* tree = FindTree(stream);
-    return tree != nullptr ? tree->TakeBestFit(size, accept) : nullptr;
+    return tree != nullptr ? tree->TakeBestFit(size, accept) : kNoBlock;
   }
   size_t size() const {
     size_t n = 0;
@@ -115,7 +125,7 @@ class FreeIndex {
     // A permanent sentinel (size 0 fits no request) keeps the root node alive: without it, a
     // tree that empties and refills on every malloc/free pair (the common cached path) would
     // free and reallocate its root through the system heap each time.
-    Tree() { set_.insert(FreeKey{0, 0, nullptr}); }
+    Tree() { set_.insert(FreeKey{0, 0, kNoBlock}); }
 
     void Insert(const FreeKey& key) {
       // A split's remainder and a merge's result usually belong right next to the place the last
@@ -133,11 +143,11 @@ class FreeIndex {
       if (hint_valid_) hint_ = set_.erase(it);
     }
     template <typename Accept>
-    Block* TakeBestFit(size_t size, Accept accept) {
+    BlockId TakeBestFit(size_t size, Accept accept) {
       // From size 1 at least: the sentinel (size 0) is never a candidate.
-      auto it = set_.lower_bound(FreeKey{std::max<size_t>(size, 1), 0, nullptr});
-      if (it == set_.end() || !accept(*it)) return nullptr;
-      Block* block = it->block;
+      auto it = set_.lower_bound(FreeKey{std::max<size_t>(size, 1), 0, kNoBlock});
+      if (it == set_.end() || !accept(*it)) return kNoBlock;
+      const BlockId block = it->block;
       hint_ = set_.erase(it);
       hint_valid_ = true;
       return block;
@@ -179,35 +189,68 @@ class FreeIndex {
   Tree* last_ = nullptr;
 };
 
-// Recycles Block objects in chunks so the hot path never touches the system heap.
+// Owns every Block of a device in one array indexed by BlockId, so reaching a block from its id
+// is one load, and recycles ids so the hot path never touches the system heap. Extras live in
+// a parallel array, read only for blocks whose `has_extras` is set.
+//
+// New() may grow the array and so move every block: hold no Block reference across it.
 class BlockArena {
  public:
-  Block* New() {
-    if (free_.empty()) Grow();
-    Block* b = free_.back();
+  // Id 0 is never handed out: it is kNoBlock.
+  BlockArena() {
+    Grow();
     free_.pop_back();
-    return b;
   }
-  void Delete(Block* b) {
-    std::unique_ptr<BlockExtras> extras = std::move(b->extras);
-    if (extras != nullptr) {
-      extras->stream_uses.clear();
-      extras->context.reset();
+
+  BlockId New() {
+    if (free_.empty()) Grow();
+    const BlockId id = free_.back();
+    free_.pop_back();
+    return id;
+  }
+  // Resets the block for reuse; its extras (if any) are emptied and stay attached to the id, so a
+  // program that records streams or history allocates them once per id, not once per malloc.
+  void Delete(BlockId id) {
+    Block& b = blocks_[id];
+    const bool has_extras = b.has_extras;
+    if (has_extras) *extras_[id] = BlockExtras{};
+    b = Block{};
+    b.has_extras = has_extras;
+    free_.push_back(id);
+  }
+  Block& operator[](BlockId id) { return blocks_[id]; }
+  const Block& operator[](BlockId id) const { return blocks_[id]; }
+  // Null unless the block has extras.
+  const BlockExtras* extras(BlockId id) const {
+    return blocks_[id].has_extras ? extras_[id].get() : nullptr;
+  }
+  BlockExtras& mutable_extras(BlockId id) {
+    Block& b = blocks_[id];
+    if (!b.has_extras) {
+      extras_[id] = std::make_unique<BlockExtras>();
+      b.has_extras = true;
     }
-    *b = Block{};
-    b->extras = std::move(extras);
-    free_.push_back(b);
+    return *extras_[id];
+  }
+  bool has_stream_uses(BlockId id) const {
+    const BlockExtras* e = extras(id);
+    return e != nullptr && !e->stream_uses.empty();
   }
 
  private:
-  static constexpr size_t kChunk = 256;
+  // Doubling: a copy of every block now and then (amortized O(1) per New, like the address
+  // table's rehash), in exchange for one load per id on every access.
   void Grow() {
-    chunks_.push_back(std::make_unique<Block[]>(kChunk));
-    Block* chunk = chunks_.back().get();
-    for (size_t i = kChunk; i > 0; --i) free_.push_back(&chunk[i - 1]);
+    const size_t first = blocks_.size();
+    const size_t grown = std::max<size_t>(256, 2 * first);
+    if (grown > UINT32_MAX) throw std::length_error("spillway: more than 2^32 blocks on a device");
+    blocks_.resize(grown);
+    extras_.resize(grown);
+    for (size_t i = grown; i > first; --i) free_.push_back(static_cast<BlockId>(i - 1));
   }
-  std::vector<std::unique_ptr<Block[]>> chunks_;
-  std::vector<Block*> free_;
+  std::vector<Block> blocks_;
+  std::vector<std::unique_ptr<BlockExtras>> extras_;
+  std::vector<BlockId> free_;
 };
 
 }  // namespace spillway

@@ -97,12 +97,12 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext contex
   const PoolKind kind = SizePolicy::PoolFor(rounded);
   const size_t segment_size = SizePolicy::SegmentSize(rounded);
 
-  Block* block = FindFree(kind, stream, rounded);
-  if (block == nullptr) {
+  BlockId block = FindFree(kind, stream, rounded);
+  if (block == kNoBlock) {
     GarbageCollect(segment_size);
     block = AllocSegment(kind, stream, segment_size);
   }
-  if (block == nullptr && callbacks_) {
+  if (block == kNoBlock && callbacks_) {
     // Out-of-memory ladder, step 1: ask the registered holders (the offload engine) to give
     // memory back. They free through this allocator, so the lock must not be held.
     const std::vector<FreeMemoryCallback> callbacks = callbacks_();
@@ -116,133 +116,161 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext contex
       lock.lock();
       ProcessEventsLocked();
       block = FindFree(kind, stream, rounded);
-      if (block == nullptr) block = AllocSegment(kind, stream, segment_size);
+      if (block == kNoBlock) block = AllocSegment(kind, stream, segment_size);
     }
   }
-  if (block == nullptr) {
+  if (block == kNoBlock) {
     // Step 2: wait for every pending stream use, give all wholly free cached segments back to
     // the backend, and retry.
     SynchronizeAllEvents();
     ReleaseCachedSegments(std::numeric_limits<size_t>::max());
     ++stats_.num_alloc_retries;
     block = FindFree(kind, stream, rounded);
-    if (block == nullptr) block = AllocSegment(kind, stream, segment_size);
+    if (block == kNoBlock) block = AllocSegment(kind, stream, segment_size);
     // Step 3, beyond PyTorch's allocator: a small request that still has nowhere to go takes free
     // space in a large-pool segment (split by the large pool's rules) rather than fail while
     // megabytes sit free there. Only here, at the edge of memory: it pins that segment, and
     // PyTorch's pool separation is what keeps fragmentation low the rest of the time.
-    if (block == nullptr && kind == PoolKind::kSmall) {
+    if (block == kNoBlock && kind == PoolKind::kSmall) {
       block = FindFree(PoolKind::kLarge, stream, rounded);
     }
   }
-  if (block == nullptr) ThrowOutOfMemory(size, rounded);
+  if (block == kNoBlock) ThrowOutOfMemory(size, rounded);
   void* ptr = UseBlock(block, rounded, size, std::move(context));
   *over_watermark = static_cast<size_t>(stats_.allocated_bytes.all().current) >
                     watermark_.load(std::memory_order_relaxed);
   return ptr;
 }
 
-Block* DeviceAllocator::FindFree(PoolKind kind, StreamRef stream, size_t size) {
+BlockId DeviceAllocator::FindFree(PoolKind kind, StreamRef stream, size_t size) {
   // The best fit is the smallest candidate; if it breaks an oversize rule so does every larger one.
-  return pool(kind).TakeBestFit(stream.id, size, [&](const FreeKey& key) {
+  // A stream without a slot has no segment, so no free block either.
+  const std::optional<uint16_t> slot = streams_.Find(stream.id);
+  if (!slot.has_value()) return kNoBlock;
+  return pool(kind).TakeBestFit(*slot, size, [&](const FreeKey& key) {
     if (!policy_.AcceptsBlock(key.size, size)) return false;
     // With many live blocks the block and its allocated_ slot are cache misses; start both now
     // so they overlap the index erase instead of following it.
-    __builtin_prefetch(key.block, 1);
+    __builtin_prefetch(&arena_[key.block], 1);
     allocated_.Prefetch(key.ptr);
     return true;
   });
 }
 
-Block* DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t segment_size) {
+BlockId DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t segment_size) {
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
-  if (limit_ != 0 && reserved + segment_size > limit_) return nullptr;
-  absl::StatusOr<void*> memory = backend_.device_malloc(device_, segment_size);
+  if (limit_ != 0 && reserved + segment_size > limit_) return kNoBlock;
+  const uint16_t slot = streams_.Acquire(stream.id);
+  absl::StatusOr<void*> memory = absl::InternalError("not called");
+  try {
+    memory = backend_.device_malloc(device_, segment_size);
+  } catch (...) {
+    streams_.Release(slot);
+    throw;
+  }
   if (!memory.ok()) {
-    if (absl::IsResourceExhausted(memory.status())) return nullptr;
+    streams_.Release(slot);
+    if (absl::IsResourceExhausted(memory.status())) return kNoBlock;
     throw BackendError("device_malloc", std::string(memory.status().message()));
   }
-  Block* block = arena_.New();
-  block->ptr = reinterpret_cast<uintptr_t>(*memory);
-  block->size = segment_size;
-  block->stream = stream.id;
-  block->pool = kind;
-  segments_[block->ptr] = Segment{segment_size, kind, clock_, block, stream};
+  const BlockId id = arena_.New();
+  Block& block = arena_[id];
+  block.ptr = reinterpret_cast<uintptr_t>(*memory);
+  block.set_size(segment_size);
+  block.stream = slot;
+  block.pool = kind;
+  segments_[block.ptr] = Segment{segment_size, kind, clock_, id, stream};
   stream_handles_.try_emplace(stream.id, stream.handle);
   ++clock_;
   stats_.segment.Increase(kind, 1);
   stats_.reserved_bytes.Increase(kind, static_cast<int64_t>(segment_size));
   if (policy_.IsOversize(segment_size)) stats_.oversize_segments.Increase(1);
   ++stats_.num_device_alloc;
-  Trace(TraceAction::kSegmentAlloc, block->ptr, segment_size, stream.id, nullptr);
+  Trace(TraceAction::kSegmentAlloc, block.ptr, segment_size, stream.id, nullptr);
   if (segments_.size() == 1) ResolveWatermark();  // the device's first memory: see SetWatermark
-  return block;
+  return id;
 }
 
-void* DeviceAllocator::UseBlock(Block* block, size_t rounded, size_t requested,
+void DeviceAllocator::IndexInsert(BlockId id) {
+  const Block& b = arena_[id];
+  pool(b.pool).Insert(b.stream, FreeKey{b.size(), b.ptr, id});
+}
+
+void DeviceAllocator::IndexErase(BlockId id) {
+  const Block& b = arena_[id];
+  pool(b.pool).Erase(b.stream, FreeKey{b.size(), b.ptr, id});
+}
+
+void* DeviceAllocator::UseBlock(BlockId id, size_t rounded, size_t requested,
                                 TraceContext context) {
-  const PoolKind kind = block->pool;
-  const bool already_split = block->is_split();
-  if (policy_.ShouldSplit(kind, block->size, rounded)) {
+  const PoolKind kind = arena_[id].pool;
+  const bool split = policy_.ShouldSplit(kind, arena_[id].size(), rounded);
+  const BlockId rest_id = split ? arena_.New() : kNoBlock;  // may move blocks: before references
+  Block& block = arena_[id];
+  const bool already_split = block.is_split();
+  if (split) {
     // The allocation keeps the front; the remainder goes back to the pool.
-    Block* rest = arena_.New();
-    rest->ptr = block->ptr + rounded;
-    rest->size = block->size - rounded;
-    rest->stream = block->stream;
-    rest->pool = kind;
-    rest->prev = block;
-    rest->next = block->next;
-    if (rest->next != nullptr) rest->next->prev = rest;
-    block->next = rest;
-    block->size = rounded;
-    pool(kind).Insert(rest);
+    Block& rest = arena_[rest_id];
+    rest.ptr = block.ptr + rounded;
+    rest.set_size(block.size() - rounded);
+    rest.stream = block.stream;
+    rest.pool = kind;
+    rest.prev = id;
+    rest.next = block.next;
+    if (rest.next != kNoBlock) arena_[rest.next].prev = rest_id;
+    block.next = rest_id;
+    block.set_size(rounded);
+    IndexInsert(rest_id);
     if (already_split) {
       stats_.inactive_split_bytes.Decrease(kind, static_cast<int64_t>(rounded));
     } else {
       stats_.inactive_split.Increase(kind, 1);
-      stats_.inactive_split_bytes.Increase(kind, static_cast<int64_t>(rest->size));
+      stats_.inactive_split_bytes.Increase(kind, static_cast<int64_t>(rest.size()));
     }
   } else if (already_split) {
     stats_.inactive_split.Decrease(kind, 1);
-    stats_.inactive_split_bytes.Decrease(kind, static_cast<int64_t>(block->size));
+    stats_.inactive_split_bytes.Decrease(kind, static_cast<int64_t>(block.size()));
   }
-  block->allocated = true;
-  block->requested = requested;
-  if (context != nullptr) block->mutable_extras().context = context;
-  allocated_.Insert(block->ptr, block);
-  const auto size = static_cast<int64_t>(block->size);
+  block.allocated = true;
+  block.requested = requested;
+  if (context != nullptr) arena_.mutable_extras(id).context = context;
+  allocated_.Insert(block.ptr, id);
+  const auto size = static_cast<int64_t>(block.size());
   stats_.allocation.Increase(kind, 1);
   stats_.allocated_bytes.Increase(kind, size);
   stats_.active.Increase(kind, 1);
   stats_.active_bytes.Increase(kind, size);
   stats_.requested_bytes.Increase(kind, static_cast<int64_t>(requested));
-  if (policy_.IsOversize(block->size)) stats_.oversize_allocations.Increase(1);
-  Trace(TraceAction::kAlloc, block->ptr, block->size, block->stream, std::move(context));
-  return reinterpret_cast<void*>(block->ptr);
+  if (policy_.IsOversize(block.size())) stats_.oversize_allocations.Increase(1);
+  TraceBlock(TraceAction::kAlloc, block, std::move(context));
+  return reinterpret_cast<void*>(block.ptr);
 }
 
 bool DeviceAllocator::Free(void* ptr, TraceContext context) {
   std::lock_guard lock(mutex_);
-  Block* block = allocated_.Find(reinterpret_cast<uintptr_t>(ptr));
-  if (block == nullptr) return false;
+  const auto address = reinterpret_cast<uintptr_t>(ptr);
+  const BlockId id = allocated_.Take(address, AddressOf());
+  if (id == kNoBlock) return false;
+  Block& block = arena_[id];
   // Merging reads both neighbours: start their cache misses together, ahead of the bookkeeping.
-  __builtin_prefetch(block->prev, 1);
-  __builtin_prefetch(block->next, 1);
-  allocated_.Erase(block->ptr);
-  block->allocated = false;
-  stats_.allocation.Decrease(block->pool, 1);
-  stats_.allocated_bytes.Decrease(block->pool, static_cast<int64_t>(block->size));
-  if (policy_.IsOversize(block->size)) stats_.oversize_allocations.Decrease(1);
-  Trace(TraceAction::kFreeRequested, block->ptr, block->size, block->stream, std::move(context));
-  if (!block->has_stream_uses()) {
-    FreeBlock(block);
+  // (kNoBlock is a real, never used slot of the arena, so prefetching it is harmless.)
+  __builtin_prefetch(&arena_[block.prev], 1);
+  __builtin_prefetch(&arena_[block.next], 1);
+  block.allocated = false;
+  stats_.allocation.Decrease(block.pool, 1);
+  stats_.allocated_bytes.Decrease(block.pool, static_cast<int64_t>(block.size()));
+  if (policy_.IsOversize(block.size())) stats_.oversize_allocations.Decrease(1);
+  TraceBlock(TraceAction::kFreeRequested, block, std::move(context));
+  if (!arena_.has_stream_uses(id)) {
+    FreeBlock(id);
     return true;
   }
   // Reuse waits for every other stream that used the block: one event per stream, polled at
   // the next Malloc. If an event cannot be recorded, wait for that stream on the host instead;
   // if even that fails the block is quarantined (never reused) rather than risk corruption.
+  BlockExtras& extras = arena_.mutable_extras(id);
   absl::InlinedVector<StreamRef, 1> uses;
-  uses.swap(block->extras->stream_uses);
+  uses.swap(extras.stream_uses);
   for (const StreamRef& use : uses) {
     EventHandle event = nullptr;
     try {
@@ -257,55 +285,70 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
         stream_errors_.push_back(StreamError{device_, use.id, error.what()});
         has_stream_errors_.store(true, std::memory_order_relaxed);
       }
-      ++block->event_count;  // quarantine unless the host wait below succeeds
+      AddPendingEvent(id);  // quarantine unless the host wait below succeeds
       backend_.synchronize_stream(device_, use.handle);
-      --block->event_count;
+      EventDone(id);
       continue;
     }
-    pending_[use.id].push_back(Pending{event, block});
-    ++block->event_count;
+    pending_[use.id].push_back(Pending{event, id});
+    AddPendingEvent(id);
   }
-  if (block->event_count == 0) FreeBlock(block);
+  if (!block.pending) FreeBlock(id);
   return true;
 }
 
-void DeviceAllocator::FreeBlock(Block* block) {
-  Trace(TraceAction::kFreeCompleted, block->ptr, block->size, block->stream, nullptr);
+void DeviceAllocator::AddPendingEvent(BlockId id) {
+  ++arena_.mutable_extras(id).event_count;
+  arena_[id].pending = true;
+}
+
+bool DeviceAllocator::EventDone(BlockId id) {
+  if (--arena_.mutable_extras(id).event_count > 0) return false;
+  arena_[id].pending = false;
+  return true;
+}
+
+void DeviceAllocator::FreeBlock(BlockId id) {
+  Block* block = &arena_[id];
+  TraceBlock(TraceAction::kFreeCompleted, *block, nullptr);
   const PoolKind kind = block->pool;
-  FreeIndex& index = pool(kind);
   stats_.active.Decrease(kind, 1);
-  stats_.active_bytes.Decrease(kind, static_cast<int64_t>(block->size));
+  stats_.active_bytes.Decrease(kind, static_cast<int64_t>(block->size()));
   stats_.requested_bytes.Decrease(kind, static_cast<int64_t>(block->requested));
   block->requested = 0;
-  if (block->extras != nullptr) block->extras->context.reset();
+  if (block->has_extras) arena_.mutable_extras(id).context.reset();
 
   int64_t net_split_blocks = 0;
   int64_t net_split_bytes = 0;
-  // Merge with a free next neighbour: `block` absorbs it.
-  if (Block* next = block->next; next != nullptr && next->is_free()) {
-    index.Erase(next);
+  // Merge with a free next neighbour: `block` absorbs it. Sizes add in units: a segment's blocks
+  // never sum past the segment.
+  if (const BlockId next_id = block->next; next_id != kNoBlock && arena_[next_id].is_free()) {
+    const Block& next = arena_[next_id];
+    IndexErase(next_id);
     net_split_blocks -= 1;
-    net_split_bytes -= static_cast<int64_t>(next->size);
-    block->size += next->size;
-    block->next = next->next;
-    if (block->next != nullptr) block->next->prev = block;
-    arena_.Delete(next);
+    net_split_bytes -= static_cast<int64_t>(next.size());
+    block->units += next.units;
+    block->next = next.next;
+    if (block->next != kNoBlock) arena_[block->next].prev = id;
+    arena_.Delete(next_id);
   }
-  // Merge with a free previous neighbour: it absorbs `block`, so a segment's head block object
-  // never changes.
-  if (Block* prev = block->prev; prev != nullptr && prev->is_free()) {
-    index.Erase(prev);
+  // Merge with a free previous neighbour: it absorbs `block`, so a segment's head block never
+  // changes.
+  if (const BlockId prev_id = block->prev; prev_id != kNoBlock && arena_[prev_id].is_free()) {
+    Block& prev = arena_[prev_id];
+    IndexErase(prev_id);
     net_split_blocks -= 1;
-    net_split_bytes -= static_cast<int64_t>(prev->size);
-    prev->size += block->size;
-    prev->next = block->next;
-    if (prev->next != nullptr) prev->next->prev = prev;
-    arena_.Delete(block);
-    block = prev;
+    net_split_bytes -= static_cast<int64_t>(prev.size());
+    prev.units += block->units;
+    prev.next = block->next;
+    if (prev.next != kNoBlock) arena_[prev.next].prev = prev_id;
+    arena_.Delete(id);
+    id = prev_id;
+    block = &prev;
   }
   if (block->is_split()) {
     net_split_blocks += 1;
-    net_split_bytes += static_cast<int64_t>(block->size);
+    net_split_bytes += static_cast<int64_t>(block->size());
   } else {
     segments_.at(block->ptr).freed_at = clock_;
   }
@@ -313,33 +356,36 @@ void DeviceAllocator::FreeBlock(Block* block) {
   if (net_split_blocks < 0) stats_.inactive_split.Decrease(kind, -net_split_blocks);
   if (net_split_bytes > 0) stats_.inactive_split_bytes.Increase(kind, net_split_bytes);
   if (net_split_bytes < 0) stats_.inactive_split_bytes.Decrease(kind, -net_split_bytes);
-  index.Insert(block);
+  IndexInsert(id);
 }
 
-bool DeviceAllocator::ReleaseSegment(Block* block) {
-  if (block->is_split() || !block->is_free()) return false;
-  const PoolKind kind = block->pool;
-  pool(kind).Erase(block);
-  backend_.device_free(device_, reinterpret_cast<void*>(block->ptr));
-  segments_.erase(block->ptr);
+bool DeviceAllocator::ReleaseSegment(BlockId id) {
+  const Block& block = arena_[id];
+  if (block.is_split() || !block.is_free()) return false;
+  const PoolKind kind = block.pool;
+  IndexErase(id);
+  backend_.device_free(device_, reinterpret_cast<void*>(block.ptr));
+  segments_.erase(block.ptr);
   stats_.segment.Decrease(kind, 1);
-  stats_.reserved_bytes.Decrease(kind, static_cast<int64_t>(block->size));
-  if (policy_.IsOversize(block->size)) stats_.oversize_segments.Decrease(1);
+  stats_.reserved_bytes.Decrease(kind, static_cast<int64_t>(block.size()));
+  if (policy_.IsOversize(block.size())) stats_.oversize_segments.Decrease(1);
   ++stats_.num_device_free;
-  Trace(TraceAction::kSegmentFree, block->ptr, block->size, block->stream, nullptr);
-  arena_.Delete(block);
+  TraceBlock(TraceAction::kSegmentFree, block, nullptr);
+  streams_.Release(block.stream);
+  arena_.Delete(id);
   return true;
 }
 
 void DeviceAllocator::ReleaseCachedSegments(size_t until_freed) {
   size_t freed = 0;
-  std::vector<Block*> heads;
+  std::vector<BlockId> heads;
   for (const auto& [base, segment] : segments_) {
-    if (!segment.head->is_split() && segment.head->is_free()) heads.push_back(segment.head);
+    const Block& head = arena_[segment.head];
+    if (!head.is_split() && head.is_free()) heads.push_back(segment.head);
   }
-  for (Block* head : heads) {
+  for (const BlockId head : heads) {
     if (freed >= until_freed) break;
-    const size_t size = head->size;
+    const size_t size = arena_[head].size();
     if (ReleaseSegment(head)) freed += size;
   }
 }
@@ -350,27 +396,26 @@ void DeviceAllocator::GarbageCollect(size_t incoming) {
   auto reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
   if (reserved + incoming <= target) return;
   // Oldest wholly free segments first: they are the least likely to be wanted again soon.
-  std::vector<std::pair<int64_t, Block*>> candidates;
+  std::vector<std::pair<int64_t, BlockId>> candidates;
   for (const auto& [base, segment] : segments_) {
-    if (!segment.head->is_split() && segment.head->is_free()) {
-      candidates.emplace_back(segment.freed_at, segment.head);
-    }
+    const Block& head = arena_[segment.head];
+    if (!head.is_split() && head.is_free()) candidates.emplace_back(segment.freed_at, segment.head);
   }
   std::sort(candidates.begin(), candidates.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });
   for (const auto& [age, head] : candidates) {
     if (reserved + incoming <= target) break;
-    const size_t size = head->size;
+    const size_t size = arena_[head].size();
     if (ReleaseSegment(head)) reserved -= size;
   }
 }
 
 bool DeviceAllocator::RecordStream(void* ptr, StreamRef stream) {
   std::lock_guard lock(mutex_);
-  Block* block = allocated_.Find(reinterpret_cast<uintptr_t>(ptr));
-  if (block == nullptr) return false;
-  if (stream.id == block->stream) return true;
-  auto& uses = block->mutable_extras().stream_uses;
+  const BlockId id = allocated_.Find(reinterpret_cast<uintptr_t>(ptr), AddressOf());
+  if (id == kNoBlock) return false;
+  if (stream.id == streams_.id(arena_[id].stream)) return true;
+  auto& uses = arena_.mutable_extras(id).stream_uses;
   for (const StreamRef& use : uses) {
     if (use.id == stream.id) return true;
   }
@@ -429,7 +474,7 @@ void DeviceAllocator::ProcessEventsLocked() {
       const Pending done = queue.front();
       queue.pop_front();
       spare_events_.push_back(done.event);
-      if (--done.block->event_count == 0) FreeBlock(done.block);
+      if (EventDone(done.block)) FreeBlock(done.block);
     }
     if (queue.empty()) {
       pending_.erase(it++);
@@ -447,7 +492,7 @@ void DeviceAllocator::SynchronizeAllEvents() {
       UseIsOver(stream, done.event, true);
       queue.pop_front();
       spare_events_.push_back(done.event);
-      if (--done.block->event_count == 0) FreeBlock(done.block);
+      if (EventDone(done.block)) FreeBlock(done.block);
     }
   }
   pending_.clear();

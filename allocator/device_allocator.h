@@ -25,6 +25,7 @@
 #include "allocator/history.h"
 #include "allocator/snapshot.h"
 #include "allocator/stats.h"
+#include "allocator/stream_slots.h"
 
 namespace spillway {
 
@@ -116,23 +117,34 @@ class DeviceAllocator {
  private:
   struct Pending {
     EventHandle event;
-    Block* block;
+    BlockId block;
   };
   struct Segment {
     size_t size;
     PoolKind pool;
     int64_t freed_at;  // allocation-clock tick at which it last became wholly free (GC age)
-    Block* head;       // first block; merges keep this object, splits keep it at the front
+    BlockId head;      // first block; merges keep it, splits keep it at the front
     StreamRef stream;  // allocation stream of every block in the segment
   };
   using SegmentMap = absl::btree_map<uintptr_t, Segment>;
 
   FreeIndex& pool(PoolKind kind) { return pools_[static_cast<int>(kind)]; }
-  Block* FindFree(PoolKind kind, StreamRef stream, size_t size);
-  Block* AllocSegment(PoolKind kind, StreamRef stream, size_t segment_size);
-  void* UseBlock(Block* block, size_t rounded, size_t requested, TraceContext context);
-  void FreeBlock(Block* block);
-  bool ReleaseSegment(Block* block);
+  BlockId FindFree(PoolKind kind, StreamRef stream, size_t size);
+  BlockId AllocSegment(PoolKind kind, StreamRef stream, size_t segment_size);
+  void* UseBlock(BlockId block, size_t rounded, size_t requested, TraceContext context);
+  void FreeBlock(BlockId block);
+  bool ReleaseSegment(BlockId block);
+  // Adds or removes a free block in its pool's index, keyed by its current size and address.
+  void IndexInsert(BlockId block);
+  void IndexErase(BlockId block);
+  // A freed block waits for one more stream-use event / one event is over; EventDone returns
+  // true when it was the last, and the block may be freed.
+  void AddPendingEvent(BlockId block);
+  bool EventDone(BlockId block);
+  // The key allocated_ confirms a slot with: the address of block `id`.
+  auto AddressOf() const {
+    return [this](BlockId id) { return arena_[id].ptr; };
+  }
   void ReleaseCachedSegments(size_t until_freed);
   void GarbageCollect(size_t incoming);
   void ProcessEventsLocked();
@@ -143,6 +155,12 @@ class DeviceAllocator {
   bool UseIsOver(uint64_t stream, EventHandle event, bool wait);
   void Trace(TraceAction action, uintptr_t addr, size_t size, uint64_t stream,
              TraceContext context);
+  // Trace of a block: its stream's id is looked up only when history is on.
+  void TraceBlock(TraceAction action, const Block& b, TraceContext context) {
+    if (history_.enabled()) {
+      Trace(action, b.ptr, b.size(), streams_.id(b.stream), std::move(context));
+    }
+  }
   [[noreturn]] void ThrowOutOfMemory(size_t requested, size_t rounded);
   size_t LargestFreeBlockLocked() const;
   size_t ComputeLimit() const;
@@ -159,9 +177,10 @@ class DeviceAllocator {
   mutable size_t total_memory_ = 0;  // fetched on first need (TotalMemory); guarded by mutex_
 
   mutable std::mutex mutex_;
-  FreeIndex pools_[2];
+  FreeIndex pools_[2];  // trees keyed by stream slot
   BlockArena arena_;
-  AddressTable<Block> allocated_;  // live allocations by address
+  AddressTable allocated_;  // live allocations by address
+  StreamSlots streams_;     // the streams blocks name by slot
   SegmentMap segments_;
   absl::flat_hash_map<uint64_t, std::deque<Pending>> pending_;  // by stream id
   // Every stream a segment was made for, kept after its segments go: trace entries outlive them.

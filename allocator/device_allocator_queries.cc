@@ -11,16 +11,17 @@ namespace spillway {
 
 std::optional<AllocationInfo> DeviceAllocator::Lookup(const void* ptr) const {
   std::lock_guard lock(mutex_);
-  const Block* b = allocated_.Find(reinterpret_cast<uintptr_t>(ptr));
-  if (b == nullptr) return std::nullopt;
+  const BlockId id = allocated_.Find(reinterpret_cast<uintptr_t>(ptr), AddressOf());
+  if (id == kNoBlock) return std::nullopt;
+  const Block& b = arena_[id];
   // Every block of a segment has the segment's stream; the segment holds its handle.
-  const auto segment = SegmentContaining(b->ptr);
-  return AllocationInfo{.ptr = reinterpret_cast<void*>(b->ptr),
-                        .size = b->size,
-                        .requested = b->requested,
+  const auto segment = SegmentContaining(b.ptr);
+  return AllocationInfo{.ptr = reinterpret_cast<void*>(b.ptr),
+                        .size = b.size(),
+                        .requested = b.requested,
                         .device = device_,
                         .stream = segment->second.stream,
-                        .pool = b->pool};
+                        .pool = b.pool};
 }
 
 DeviceAllocator::SegmentMap::const_iterator DeviceAllocator::SegmentContaining(
@@ -44,16 +45,16 @@ std::string DeviceAllocator::DescribeForeign(const void* ptr) const {
   const auto it = SegmentContaining(address);
   if (it == segments_.end()) return "";
   const Segment& segment = it->second;
-  for (const Block* b = segment.head; b != nullptr; b = b->next) {
-    if (address < b->ptr || address >= b->ptr + b->size) continue;
-    if (address != b->ptr) {
+  for (BlockId id = segment.head; id != kNoBlock; id = arena_[id].next) {
+    const Block& b = arena_[id];
+    if (address < b.ptr || address >= b.ptr + b.size()) continue;
+    if (address != b.ptr) {
       return absl::StrFormat("%p points %d bytes into the %s block at %#x on device %d", ptr,
-                             address - b->ptr, b->allocated ? "allocated" : "free", b->ptr,
-                             device_);
+                             address - b.ptr, b.allocated ? "allocated" : "free", b.ptr, device_);
     }
     return absl::StrFormat(
         "%p is a %s block on device %d (double free, or a pointer freed already)", ptr,
-        b->event_count > 0 ? "free block awaiting stream events" : "free", device_);
+        b.pending ? "free block awaiting stream events" : "free", device_);
   }
   return "";
 }
@@ -113,17 +114,18 @@ std::vector<SegmentSnapshot> DeviceAllocator::SnapshotSegments() const {
     s.total_size = segment.size;
     s.stream = segment.stream.id;
     s.pool = segment.pool;
-    for (const Block* b = segment.head; b != nullptr; b = b->next) {
+    for (BlockId id = segment.head; id != kNoBlock; id = arena_[id].next) {
+      const Block& b = arena_[id];
       BlockSnapshot bs;
-      bs.address = b->ptr;
-      bs.size = b->size;
-      bs.requested_size = b->allocated || b->event_count > 0 ? b->requested : 0;
-      bs.state = b->allocated         ? BlockState::kActiveAllocated
-                 : b->event_count > 0 ? BlockState::kActivePendingFree
-                                      : BlockState::kInactive;
-      if (const TraceContext* context = b->context()) bs.context = *context;
-      if (b->allocated) s.allocated_size += b->size;
-      if (bs.state != BlockState::kInactive) s.active_size += b->size;
+      bs.address = b.ptr;
+      bs.size = b.size();
+      bs.requested_size = b.allocated || b.pending ? b.requested : 0;
+      bs.state = b.allocated ? BlockState::kActiveAllocated
+                 : b.pending ? BlockState::kActivePendingFree
+                             : BlockState::kInactive;
+      if (const BlockExtras* extras = arena_.extras(id)) bs.context = extras->context;
+      if (b.allocated) s.allocated_size += b.size();
+      if (bs.state != BlockState::kInactive) s.active_size += b.size();
       s.requested_size += bs.requested_size;
       s.blocks.push_back(std::move(bs));
     }

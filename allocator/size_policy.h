@@ -15,9 +15,10 @@ inline constexpr size_t kSmallBuffer = size_t{2} << 20;     // small-pool segmen
 inline constexpr size_t kLargeBuffer = size_t{20} << 20;    // segment for 1–10 MiB requests
 inline constexpr size_t kMinLargeAlloc = size_t{10} << 20;  // from here a request gets its own
 inline constexpr size_t kRoundLarge = size_t{2} << 20;      // ... segment rounded to 2 MiB
-// Requests above this are rejected outright as absurd (no device has 2^50 bytes); it also keeps
-// every rounding computation far from overflow.
-inline constexpr size_t kMaxRequest = size_t{1} << 50;
+// Requests above this (1 TiB) are rejected outright as absurd: no device has that much memory.
+// It keeps every rounding computation far from overflow and every block size within a Block's
+// 32-bit count of kMinBlockSize units (block.h).
+inline constexpr size_t kMaxRequest = size_t{1} << 40;
 
 enum class PoolKind : uint8_t { kSmall = 0, kLarge = 1 };
 

@@ -28,6 +28,26 @@ TEST_F(StreamReuseTest, FreedBlockIsNotHandedToAnotherStream) {
   allocator_->Free(r);
 }
 
+// Blocks name their stream by a small slot that is reused once the stream's last segment is
+// gone: a slot passed on to another stream must never lead its new owner to the old stream's
+// free blocks, or the old stream to the new one's.
+TEST_F(StreamReuseTest, AStreamSlotPassedOnKeepsBlocksOnTheirOwnStream) {
+  allocator_->Free(Alloc(4096, stream_));
+  allocator_->EmptyCache();  // stream_'s only segment goes: its slot is free
+  EXPECT_EQ(Stat("segment.all.current"), 0);
+  void* on_other = Alloc(4096, other_);  // other_ takes the slot
+  allocator_->Free(on_other);
+  void* back = Alloc(4096, stream_);
+  EXPECT_NE(back, on_other) << "stream_ was handed other_'s free block";
+  EXPECT_EQ(allocator_->Lookup(back)->stream.id, stream_.id);
+  EXPECT_EQ(Stat("segment.all.current"), 2);
+  void* again = Alloc(4096, other_);
+  EXPECT_EQ(again, on_other);  // other_ still finds its own block
+  EXPECT_EQ(allocator_->Lookup(again)->stream.id, other_.id);
+  allocator_->Free(back);
+  allocator_->Free(again);
+}
+
 TEST_F(StreamReuseTest, RecordStreamDefersReuseUntilThatStreamCatchesUp) {
   auto gate = backend_->hold_stream(0, other_.handle);  // work on `other_` waits for the gate
   void* p = Alloc(4096, stream_);
