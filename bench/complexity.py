@@ -75,8 +75,10 @@ def main():
             rows.append({
                 "live": live,
                 "instructions_per_op": per_op["Ir"],
-                "l1_misses_per_op": per_op["D1mr"] + per_op["D1mw"],
-                "ll_misses_per_op": per_op["DLmr"] + per_op["DLmw"],
+                # A difference of two runs can come out a hair below zero where there are no
+                # misses at all; a count is never negative.
+                "l1_misses_per_op": max(0.0, per_op["D1mr"] + per_op["D1mw"]),
+                "ll_misses_per_op": max(0.0, per_op["DLmr"] + per_op["DLmw"]),
             })
 
     base = rows[0]
