@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -55,6 +56,8 @@ struct SimTraits {
   // Busy work: enough ops that a freshly enqueued tail is still pending when the host looks.
   static constexpr size_t kBusyBytes = 4 * kMiB;
   static constexpr int kBusyCopies = 32;
+  // Whether other processes may allocate on the device meanwhile (free memory moves on its own).
+  static constexpr bool kSharedDevice = false;
 };
 
 struct CudaTraits {
@@ -74,6 +77,7 @@ struct CudaTraits {
   }
   static constexpr size_t kBusyBytes = 256 * kMiB;
   static constexpr int kBusyCopies = 32;
+  static constexpr bool kSharedDevice = true;
 };
 
 template <typename Traits>
@@ -137,17 +141,31 @@ TYPED_TEST(BackendConformanceTest, MallocAndFreeAreReflectedInMemInfo) {
   ASSERT_GT(before.total_bytes, 0u);
   ASSERT_LE(before.free_bytes, before.total_bytes);
 
-  constexpr size_t kBytes = 64 * kMiB;
-  void* const ptr = Unwrap(backend.device_malloc(0, kBytes));
+  // On a GPU other processes may create or destroy CUDA contexts (hundreds of MiB each) while
+  // this runs, e.g. under `ctest -j`: there the allocation is a quarter of what is free, to dwarf
+  // them, and at least half of it must show in each direction. The simulated device is exact.
+  constexpr bool kShared = TypeParam::kSharedDevice;
+  const size_t bytes =
+      kShared ? std::max(64 * kMiB, before.free_bytes / 4 / kMiB * kMiB) : 64 * kMiB;
+  void* const ptr = Unwrap(backend.device_malloc(0, bytes));
   ASSERT_NE(ptr, nullptr);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(ptr) % 256, 0u) << "device memory must be 256-aligned";
   const MemInfo during = backend.mem_info(0);
   EXPECT_EQ(during.total_bytes, before.total_bytes);
-  EXPECT_LE(during.free_bytes + kBytes, before.free_bytes);
+  const auto drop =
+      static_cast<int64_t>(before.free_bytes) - static_cast<int64_t>(during.free_bytes);
 
   backend.device_free(0, ptr);
   const MemInfo after = backend.mem_info(0);
-  EXPECT_GE(after.free_bytes, during.free_bytes + kBytes);
+  const auto rise =
+      static_cast<int64_t>(after.free_bytes) - static_cast<int64_t>(during.free_bytes);
+  if (kShared) {
+    EXPECT_GE(drop, static_cast<int64_t>(bytes / 2)) << "malloc of " << bytes << " bytes";
+    EXPECT_GE(rise, static_cast<int64_t>(bytes / 2)) << "free of " << bytes << " bytes";
+  } else {
+    EXPECT_EQ(drop, static_cast<int64_t>(bytes));
+    EXPECT_EQ(rise, static_cast<int64_t>(bytes));
+  }
 }
 
 TYPED_TEST(BackendConformanceTest, ZeroByteMallocReturnsNullAndFreeOfNullIsNoOp) {
