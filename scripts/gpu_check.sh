@@ -185,13 +185,21 @@ if [ $built = 1 ]; then
     awk '{n[$2] += $1} END {for (k in n) printf "%d %s, ", n[k], k}')
   record "pytest (sim + cuda)" "$(verdict $rc)" \
     "${totals%, }${bad_files[*]:+; failing: ${bad_files[*]}}${no_time[*]:+; not run (no time): ${no_time[*]}}"
-  nccl=$(grep -ho 'name="test_nccl[^"]*"[^>]*>\(<skipped\|<failure\|<error\)\?' "$out"/pytest/*.xml 2>/dev/null | head -1)
-  case "$nccl" in
-    "") record "NCCL smoke (1 GPU)" "$([ $rc = 125 ] && echo NO-TIME || echo FAIL)" "not in the results" ;;
-    *"<skipped"*) record "NCCL smoke (1 GPU)" SKIP "see pytest.log" ;;
-    *"<failure"* | *"<error"*) record "NCCL smoke (1 GPU)" FAIL "see pytest.log" ;;
-    *) record "NCCL smoke (1 GPU)" PASS "" ;;
-  esac
+  # One line per NCCL case (DDP, FSDP): the test case's tag and what follows it in the XML.
+  mapfile -t nccl < <(grep -ho 'name="test_nccl[^"]*"[^>]*>\(<skipped\|<failure\|<error\)\?' \
+    "$out"/pytest/*.xml 2>/dev/null)
+  if [ ${#nccl[@]} -eq 0 ]; then
+    record "NCCL smoke (1 GPU)" "$([ $rc = 125 ] && echo NO-TIME || echo FAIL)" "not in the results"
+  fi
+  for entry in "${nccl[@]}"; do
+    label=$(sed -n 's/^name="[^"[]*\[\([^]"]*\)\].*/\1/p' <<<"$entry")
+    name="NCCL smoke (1 GPU${label:+, $label})"
+    case "$entry" in
+      *"<skipped"*) record "$name" SKIP "see pytest.log" ;;
+      *"<failure"* | *"<error"*) record "$name" FAIL "see pytest.log" ;;
+      *) record "$name" PASS "" ;;
+    esac
+  done
 elif [ $built = 2 ]; then
   record "pytest (sim + cuda)" FAIL "not run: needs the build against torch"
 fi

@@ -1,6 +1,6 @@
 """Spillway under torch.distributed: DDP across two ranks on this machine (gloo, loopback only),
-FSDP's free/refill of gathered parameters, wrapper subclasses (DTensor) saved for backward, and a
-1-GPU NCCL smoke test for machines that have one.
+FSDP's free/refill of gathered parameters, wrapper subclasses (DTensor) saved for backward, and
+1-GPU NCCL smoke tests (DDP and FSDP) for machines that have one.
 
 Ranks run as subprocesses of the test (Spillway allows one install per process, and each rank is
 its own process with its own allocator); they rendezvous through a file:// store in the test's
@@ -472,9 +472,19 @@ dist.all_reduce(t)
 torch.cuda.synchronize()
 assert torch.equal(t.cpu(), torch.arange(1 << 20, dtype=torch.float32)), "all_reduce"
 
+def wrap(model):
+    if {wrap!r} == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    # FSDP on its own streams: all-gathers, record_stream on the gathered parameters and their
+    # free/refill, all through Spillway's CUDA allocator. One unit per layer, then the root.
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = FSDP(block, device_id=0)
+    return FSDP(model, device_id=0)
+
 def train(offload):
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(tiny_lm.TinyLM().cuda(), device_ids=[0])
+    model = wrap(tiny_lm.TinyLM().cuda())
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     losses = []
     for tokens in tiny_lm.batches(3, 16, 128, 256, seed=0):
@@ -502,8 +512,9 @@ print("spills", spills)
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()),
                     reason="needs CUDA and NCCL (GPU machine)")
-def test_nccl_one_gpu_smoke_with_offload(tmp_path):
-    source = NCCL_SCRIPT.format(bench=BENCH, prefetch=PREFETCH,
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_nccl_one_gpu_smoke_with_offload(tmp_path, wrap):
+    source = NCCL_SCRIPT.format(bench=BENCH, prefetch=PREFETCH, wrap=wrap,
                                 init=f"file://{tmp_path / 'nccl_store'}")
     result = run_script(source, env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8",
                                      "NCCL_SOCKET_IFNAME": "lo",
