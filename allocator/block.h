@@ -78,7 +78,8 @@ struct FreeKey {
   }
 };
 
-// The free blocks of one pool, a best-fit tree per allocation stream (by StreamRef::id).
+// The free blocks of one pool, a best-fit tree per allocation stream, keyed by a number the
+// caller picks for the stream (the allocator uses its StreamSlots slot).
 class FreeIndex {
  public:
   void Insert(uint64_t stream, const FreeKey& key) { TreeFor(stream).Insert(key); }
