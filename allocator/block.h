@@ -214,7 +214,12 @@ class BlockArena {
   void Delete(BlockId id) {
     Block& b = blocks_[id];
     const bool has_extras = b.has_extras;
-    if (has_extras) *extras_[id] = BlockExtras{};
+    if (has_extras) {
+      BlockExtras& extras = *extras_[id];
+      extras.stream_uses.clear();
+      extras.context.reset();
+      extras.event_count = 0;
+    }
     b = Block{};
     b.has_extras = has_extras;
     free_.push_back(id);
