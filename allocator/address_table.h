@@ -28,14 +28,8 @@ class AddressTable {
   // 0 when `key` is absent.
   template <typename KeyOf>
   uint32_t Find(uintptr_t key, KeyOf key_of) const {
-    if (key == 0) return 0;
-    const uint64_t hash = Hash(key);
-    const auto tag = static_cast<uint32_t>(hash >> 32);
-    for (size_t i = Home(hash);; i = Next(i)) {
-      const Slot& slot = slots_[i];
-      if (slot.value == 0) return 0;
-      if (slot.tag == tag && key_of(slot.value) == key) return slot.value;
-    }
+    const size_t i = Locate(key, key_of);
+    return i == kAbsent ? 0 : slots_[i].value;
   }
 
   // `key` must be non-zero and absent, `value` non-zero (the allocator inserts each live address
@@ -49,15 +43,8 @@ class AddressTable {
   // Removes `key` and returns its value; 0 (and no change) when `key` is absent.
   template <typename KeyOf>
   uint32_t Take(uintptr_t key, KeyOf key_of) {
-    if (key == 0) return 0;
-    const uint64_t hash = Hash(key);
-    const auto tag = static_cast<uint32_t>(hash >> 32);
-    size_t hole = Home(hash);
-    for (;; hole = Next(hole)) {
-      const Slot& slot = slots_[hole];
-      if (slot.value == 0) return 0;
-      if (slot.tag == tag && key_of(slot.value) == key) break;
-    }
+    size_t hole = Locate(key, key_of);
+    if (hole == kAbsent) return 0;
     const uint32_t value = slots_[hole].value;
     // Backward-shift deletion: move each later entry of the run into the hole when the hole lies
     // on its probe path (between its home slot and where it sits), so lookups never need
@@ -87,6 +74,20 @@ class AddressTable {
     uint32_t value = 0;  // 0: empty
   };
   static constexpr size_t kMinCapacity = 64;
+  static constexpr size_t kAbsent = SIZE_MAX;
+
+  // The slot holding `key`, or kAbsent. A tag match is confirmed with the caller's key.
+  template <typename KeyOf>
+  size_t Locate(uintptr_t key, KeyOf key_of) const {
+    if (key == 0) return kAbsent;
+    const uint64_t hash = Hash(key);
+    const auto tag = static_cast<uint32_t>(hash >> 32);
+    for (size_t i = Home(hash);; i = Next(i)) {
+      const Slot& slot = slots_[i];
+      if (slot.value == 0) return kAbsent;
+      if (slot.tag == tag && key_of(slot.value) == key) return i;
+    }
+  }
   // Grow past 3/4 full: linear probing's expected run is still about two slots there.
   static constexpr size_t kMaxLoadNum = 3;
   static constexpr size_t kMaxLoadDen = 4;

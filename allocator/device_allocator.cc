@@ -160,18 +160,17 @@ BlockId DeviceAllocator::FindFree(PoolKind kind, StreamRef stream, size_t size) 
 BlockId DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t segment_size) {
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
   if (limit_ != 0 && reserved + segment_size > limit_) return kNoBlock;
-  const uint16_t slot = streams_.Acquire(stream.id);
-  absl::StatusOr<void*> memory = absl::InternalError("not called");
-  try {
-    memory = backend_.device_malloc(device_, segment_size);
-  } catch (...) {
-    streams_.Release(slot);
-    throw;
-  }
+  absl::StatusOr<void*> memory = backend_.device_malloc(device_, segment_size);
   if (!memory.ok()) {
-    streams_.Release(slot);
     if (absl::IsResourceExhausted(memory.status())) return kNoBlock;
     throw BackendError("device_malloc", std::string(memory.status().message()));
+  }
+  uint16_t slot = 0;
+  try {
+    slot = streams_.Acquire(stream.id);
+  } catch (const Error&) {  // too many streams hold memory: give this segment back
+    backend_.device_free(device_, *memory);
+    throw;
   }
   const BlockId id = arena_.New();
   Block& block = arena_[id];
@@ -380,8 +379,7 @@ void DeviceAllocator::ReleaseCachedSegments(size_t until_freed) {
   size_t freed = 0;
   std::vector<BlockId> heads;
   for (const auto& [base, segment] : segments_) {
-    const Block& head = arena_[segment.head];
-    if (!head.is_split() && head.is_free()) heads.push_back(segment.head);
+    if (WhollyFree(segment)) heads.push_back(segment.head);
   }
   for (const BlockId head : heads) {
     if (freed >= until_freed) break;
@@ -398,8 +396,7 @@ void DeviceAllocator::GarbageCollect(size_t incoming) {
   // Oldest wholly free segments first: they are the least likely to be wanted again soon.
   std::vector<std::pair<int64_t, BlockId>> candidates;
   for (const auto& [base, segment] : segments_) {
-    const Block& head = arena_[segment.head];
-    if (!head.is_split() && head.is_free()) candidates.emplace_back(segment.freed_at, segment.head);
+    if (WhollyFree(segment)) candidates.emplace_back(segment.freed_at, segment.head);
   }
   std::sort(candidates.begin(), candidates.end(),
             [](const auto& a, const auto& b) { return a.first < b.first; });

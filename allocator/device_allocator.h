@@ -145,6 +145,11 @@ class DeviceAllocator {
   auto AddressOf() const {
     return [this](BlockId id) { return arena_[id].ptr; };
   }
+  // One free block spans the whole segment: it can go back to the backend.
+  bool WhollyFree(const Segment& segment) const {
+    const Block& head = arena_[segment.head];
+    return !head.is_split() && head.is_free();
+  }
   void ReleaseCachedSegments(size_t until_freed);
   void GarbageCollect(size_t incoming);
   void ProcessEventsLocked();
