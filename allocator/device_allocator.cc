@@ -148,7 +148,7 @@ BlockId DeviceAllocator::FindFree(PoolKind kind, StreamRef stream, size_t size) 
   const std::optional<uint16_t> slot = streams_.Find(stream.id);
   if (!slot.has_value()) return kNoBlock;
   return pool(kind).TakeBestFit(*slot, size, [&](const FreeKey& key) {
-    if (!policy_.AcceptsBlock(key.size, size)) return false;
+    if (!policy_.AcceptsBlock(key.size(), size)) return false;
     // With many live blocks the block and its allocated_ slot are cache misses; start both now
     // so they overlap the index erase instead of following it.
     __builtin_prefetch(&arena_[key.block], 1);

@@ -12,6 +12,10 @@
 //    block becomes reusable once B's event has completed, which later mallocs poll for.
 //  - TwoThreads/<backend>/<size>: CachedMallocFree from two threads at once on one allocator
 //    (lock contention). Time is per pair per thread.
+//  - HostMemoryLatency/<size>: no allocator; one dependent random load within a buffer of that
+//    size. The RandomAllocations cases wait on memory once their metadata outgrows the caches,
+//    so this machine's latency curve, measured in the same run, is what their 1k -> 100k growth
+//    is read against.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -20,6 +24,8 @@
 #include <cstdint>
 #include <fstream>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -182,6 +188,31 @@ void TraceReplay(benchmark::State& state, Kind kind, const std::string& path) {
   state.counters["fragmentation"] = fragmentation;
 }
 
+// Pointer chasing through one random cycle over the buffer's cache lines (Sattolo's shuffle: a
+// single cycle, so every line is visited and no prefetcher can guess the next one).
+void HostMemoryLatency(benchmark::State& state, size_t bytes) {
+  constexpr size_t kWordsPerLine = 64 / sizeof(size_t);
+  constexpr int64_t kLoadsPerIteration = 1024;
+  const size_t lines = bytes / 64;
+  std::vector<size_t> order(lines);
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::mt19937_64 random(42);
+  for (size_t i = lines - 1; i > 0; --i) {
+    std::swap(order[i], order[std::uniform_int_distribution<size_t>(0, i - 1)(random)]);
+  }
+  std::vector<size_t> next(lines * kWordsPerLine);
+  for (size_t i = 0; i < lines; ++i) {
+    next[order[i] * kWordsPerLine] = order[(i + 1) % lines] * kWordsPerLine;
+  }
+  size_t at = 0;
+  for (auto _ : state) {
+    for (int64_t i = 0; i < kLoadsPerIteration; ++i) at = next[at];
+    benchmark::DoNotOptimize(at);
+  }
+  state.SetItemsProcessed(state.iterations() * kLoadsPerIteration);
+  state.counters["per_load"] = PerOp(kLoadsPerIteration);
+}
+
 void RegisterAll(Kind kind) {
   const std::string backend = KindName(kind);
   for (size_t size : {4 * kKiB, kMiB}) {
@@ -213,6 +244,15 @@ void RegisterAll(Kind kind) {
   }
 }
 
+// The sizes bracket the RandomAllocations metadata: about 0.1, 0.7 and 7 MiB touched at 1k, 10k
+// and 100k live allocations.
+void RegisterHostMemoryLatency() {
+  for (size_t size : {kMiB, 4 * kMiB, 8 * kMiB, 12 * kMiB, 16 * kMiB}) {
+    benchmark::RegisterBenchmark(("HostMemoryLatency/" + SizeName(size)).c_str(), HostMemoryLatency,
+                                 size);
+  }
+}
+
 }  // namespace
 }  // namespace spillway
 
@@ -220,6 +260,7 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   spillway::RegisterAll(spillway::Kind::kSim);
+  spillway::RegisterHostMemoryLatency();
   // CUDA cases exist only where a device does: a CPU-only machine runs the simulated set alone.
   if (spillway::CudaAvailable()) spillway::RegisterAll(spillway::Kind::kCuda);
   benchmark::RunSpecifiedBenchmarks();

@@ -74,6 +74,20 @@ TEST(FreeIndex, EqualSizesGoLowestAddressFirst) {
   EXPECT_EQ(index.TakeBestFit(1, 2048, kAcceptAll), Id(high));
 }
 
+// Keys hold sizes in 512-byte units; a request between two unit counts must round up, never
+// down onto a block one unit too small, and a request beyond any block size finds nothing.
+TEST(FreeIndex, RequestsBetweenUnitsRoundUp) {
+  FreeIndex index;
+  Entry fits_1536 = MakeBlock(1, 1536, 0x10000);
+  Entry fits_2048 = MakeBlock(1, 2048, 0x20000);
+  Insert(index, fits_1536);
+  Insert(index, fits_2048);
+  EXPECT_EQ(index.TakeBestFit(1, size_t{1} << 62, kAcceptAll), kNoBlock);
+  EXPECT_EQ(index.TakeBestFit(1, 1537, kAcceptAll), Id(fits_2048));
+  EXPECT_EQ(index.TakeBestFit(1, 1025, kAcceptAll), Id(fits_1536));
+  EXPECT_EQ(index.size(), 0u);
+}
+
 TEST(FreeIndex, RejectedCandidateLeavesTheIndexUnchanged) {
   FreeIndex index;
   Entry b = MakeBlock(1, 8192, 0x10000);
@@ -81,7 +95,7 @@ TEST(FreeIndex, RejectedCandidateLeavesTheIndexUnchanged) {
   size_t seen = 0;
   EXPECT_EQ(index.TakeBestFit(1, 512,
                               [&](const FreeKey& key) {
-                                seen = key.size;
+                                seen = key.size();
                                 return false;
                               }),
             kNoBlock);
