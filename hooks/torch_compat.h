@@ -18,12 +18,17 @@
 #endif
 
 // The c10 CUDA allocator adapter (hooks/cuda_allocator.cc), torch 2.4 and newer. Built and run
-// against torch 2.11.0+cu130 on an H200 (2026-11-29); the older spellings follow the release
-// history in ../shared/reference/pytorch-allocator-api.md (section 1.3).
-// shareIpcHandle became a pure virtual with the MemPool work (torch 2.5).
+// against torch 2.11.0+cu130 on an H200 (2026-11-29). Compiled (syntax only) against Debian's
+// real torch 2.6.0 and 2.14.1 headers (scripts/check_torch_headers, in scripts/test), and against
+// the CUDAAllocator class of 2.7-2.11 from stored copies of those headers (2026-12-01; hooks/README
+// says which). The adapter declares every release's spelling of a changed member without
+// `override`, so only members a release makes pure virtual need a macro:
+// shareIpcHandle: pure virtual from 2.5 (PR #130890, IPC for expandable segments).
 #define SPILLWAY_TORCH_HAS_SHARE_IPC SPILLWAY_TORCH_AT_LEAST(2, 5)
-// getExpandableSegmentSizes: pure virtual in 2.11 (absent in 2.8; 2.9 and 2.10 not verified).
-#define SPILLWAY_TORCH_HAS_EXPANDABLE_SIZES SPILLWAY_TORCH_AT_LEAST(2, 11)
+// getExpandableSegmentSizes and StreamSegmentSize: from 2.10 (absent in 2.9).
+#define SPILLWAY_TORCH_HAS_EXPANDABLE_SIZES SPILLWAY_TORCH_AT_LEAST(2, 10)
+// attachOomRejectionObserver and OomRejectionObserver: from 2.12.
+#define SPILLWAY_TORCH_HAS_OOM_REJECTION_OBSERVER SPILLWAY_TORCH_AT_LEAST(2, 12)
 // TraceEntry gained a MempoolId_t argument (before the time) in torch 2.8.
 #if SPILLWAY_TORCH_AT_LEAST(2, 8)
 #define SPILLWAY_MAKE_TRACE_ENTRY(action, device, addr, size, stream, mempool, context)       \
