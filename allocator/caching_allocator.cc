@@ -105,11 +105,10 @@ void CachingAllocator::Free(void* ptr, int device) {
 void CachingAllocator::Free(void* ptr) {
   if (ptr == nullptr) return;
   const TraceContext context = GatherContext();
-  for (const auto& device : devices_) {
-    if (device->Free(ptr, context)) {
-      if (device->has_stream_errors()) DispatchStreamErrors(*device);
-      return;
-    }
+  if (DeviceAllocator* owner =
+          FindOwner([&](DeviceAllocator& device) { return device.Free(ptr, context); })) {
+    if (owner->has_stream_errors()) DispatchStreamErrors(*owner);
+    return;
   }
   std::string what;
   for (const auto& device : devices_) {
@@ -123,18 +122,15 @@ void CachingAllocator::Free(void* ptr) {
 }
 
 void CachingAllocator::RecordStream(void* ptr, StreamRef stream) {
-  for (const auto& device : devices_) {
-    if (device->RecordStream(ptr, stream)) return;
-  }
+  if (FindOwner([&](DeviceAllocator& device) { return device.RecordStream(ptr, stream); })) return;
   throw InvalidArgumentError(absl::StrFormat(
       "record_stream: %p is not a live allocation of Spillway (freed already, or foreign)", ptr));
 }
 
 std::optional<AllocationInfo> CachingAllocator::Lookup(const void* ptr) const {
-  for (const auto& device : devices_) {
-    if (auto info = device->Lookup(ptr)) return info;
-  }
-  return std::nullopt;
+  std::optional<AllocationInfo> info;
+  FindOwner([&](const DeviceAllocator& device) { return (info = device.Lookup(ptr)).has_value(); });
+  return info;
 }
 
 void CachingAllocator::EmptyCache() {

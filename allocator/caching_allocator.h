@@ -105,10 +105,29 @@ class CachingAllocator {
   }
   TraceContext GatherContextSlow() const;
   std::vector<FreeMemoryCallback> Callbacks() const;
+  // Calls `find(device)` on the device that answered the last pointer-only call, then on the
+  // others, until one returns true; returns that device, or nullptr. PyTorch frees by pointer
+  // alone (its deleter gets no device), and a process mostly works on one device (one per rank):
+  // trying that one first makes such a free one table lookup instead of one per device.
+  template <typename Find>
+  DeviceAllocator* FindOwner(Find find) const {
+    if (devices_.empty()) return nullptr;  // a CUDA backend on a machine without a device
+    const int hint = last_owner_.load(std::memory_order_relaxed);
+    if (find(*devices_[static_cast<size_t>(hint)]))
+      return devices_[static_cast<size_t>(hint)].get();
+    for (int d = 0; d < device_count(); ++d) {
+      if (d != hint && find(*devices_[static_cast<size_t>(d)])) {
+        last_owner_.store(d, std::memory_order_relaxed);
+        return devices_[static_cast<size_t>(d)].get();
+      }
+    }
+    return nullptr;
+  }
 
   const std::shared_ptr<Backend> backend_;
   const AllocatorConfig config_;
   std::vector<std::unique_ptr<DeviceAllocator>> devices_;
+  mutable std::atomic<int> last_owner_{0};  // see FindOwner
 
   std::atomic<bool> recording_{false};
   mutable std::mutex gatherer_mutex_;

@@ -12,6 +12,9 @@
 //    block becomes reusable once B's event has completed, which later mallocs poll for.
 //  - TwoThreads/<backend>/<size>: CachedMallocFree from two threads at once on one allocator
 //    (lock contention). Time is per pair per thread.
+//  - FreeByPointer/sim/<n>devices: CachedMallocFree on the last of n devices, freed by pointer
+//    alone, as PyTorch's c10 allocator interface frees (its deleter gets no device). Time is per
+//    pair; against CachedMallocFree it shows what finding the owning device costs.
 //  - HostMemoryLatency/<size>: no allocator; one dependent random load within a buffer of that
 //    size. The RandomAllocations cases wait on memory once their metadata outgrows the caches,
 //    so this machine's latency curve, measured in the same run, is what their 1k -> 100k growth
@@ -90,6 +93,21 @@ void CachedMallocFree(benchmark::State& state, Kind kind, size_t size) {
   }
   state.SetItemsProcessed(state.iterations());
   if (alloc.stats(0).num_device_alloc != 1) state.SkipWithError("the cached path was not taken");
+}
+
+void FreeByPointer(benchmark::State& state, int devices) {
+  CachingAllocator alloc(std::make_shared<SimBackend>(SimBackend::Options{
+                             .devices = devices, .capacity_bytes = kSimCapacity}),
+                         AllocatorConfig{});
+  const int device = devices - 1;
+  const StreamRef stream = alloc.backend().default_stream(device);
+  alloc.Free(alloc.Malloc(4 * kKiB, device, stream));  // the segment is cached from here on
+  for (auto _ : state) {
+    void* p = alloc.Malloc(4 * kKiB, device, stream);
+    benchmark::DoNotOptimize(p);
+    alloc.Free(p);
+  }
+  state.SetItemsProcessed(state.iterations());
 }
 
 void RandomAllocations(benchmark::State& state, Kind kind, size_t live) {
@@ -229,6 +247,13 @@ void RegisterAll(Kind kind) {
         ->ComputeStatistics("min", [](const std::vector<double>& v) {
           return *std::min_element(v.begin(), v.end());
         });
+  }
+  if (kind == Kind::kSim) {
+    for (int devices : {1, 8}) {
+      benchmark::RegisterBenchmark(
+          ("FreeByPointer/sim/" + std::to_string(devices) + "devices").c_str(), FreeByPointer,
+          devices);
+    }
   }
   benchmark::RegisterBenchmark(("MultiStreamRecordStream/" + backend + "/64KiB").c_str(),
                                MultiStreamRecordStream, kind, 64 * kKiB);

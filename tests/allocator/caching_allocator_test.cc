@@ -167,6 +167,40 @@ TEST_F(CachingAllocatorTest, DevicesAreIndependent) {
   EXPECT_EQ(allocator_->FlatStats(0).at("allocation.all.current"), 0);
 }
 
+// PyTorch frees by pointer alone, so the allocator tries first the device that answered the last
+// pointer-only call (bench: FreeByPointer). Whichever device that was, every such call must still
+// reach the owner, and a pointer no device owns must still be refused.
+TEST_F(CachingAllocatorTest, PointerOnlyCallsReachTheOwnerWhicheverDeviceAnsweredLast) {
+  Reset(AllocatorConfig{}, 64 * kMiB, 3);
+  void* p[3];
+  for (int d = 0; d < 3; ++d) p[d] = allocator_->Malloc(4096, d, backend_->default_stream(d));
+  for (int d : {2, 0, 1, 1, 2}) EXPECT_EQ(allocator_->Lookup(p[d])->device, d);
+  const StreamRef side = backend_->create_stream(0);
+  allocator_->RecordStream(p[0], side);  // after device 2 answered
+  allocator_->Free(p[2]);
+  EXPECT_THROW(allocator_->Free(p[2]), InvalidArgumentError);  // device 2 answered last
+  EXPECT_FALSE(allocator_->Lookup(p[2]).has_value());
+  allocator_->Free(p[1]);
+  allocator_->Free(p[0]);
+  EXPECT_EQ(allocator_->FlatStats(0).at("active.all.current"), 1) << "the recorded use was lost";
+  backend_->synchronize_stream(0, side.handle);
+  allocator_->ProcessEvents(0);
+  for (int d = 0; d < 3; ++d) {
+    EXPECT_EQ(allocator_->FlatStats(d).at("allocation.all.current"), 0) << "device " << d;
+    EXPECT_EQ(allocator_->FlatStats(d).at("active.all.current"), 0) << "device " << d;
+  }
+}
+
+TEST(CachingAllocatorWithoutDevices, PointerOnlyCallsAreRefusedClearly) {
+  CachingAllocator allocator(std::make_shared<SimBackend>(SimBackend::Options{.devices = 0}),
+                             AllocatorConfig{});
+  int not_ours = 0;
+  EXPECT_FALSE(allocator.Lookup(&not_ours).has_value());
+  EXPECT_THROW(allocator.Free(&not_ours), InvalidArgumentError);
+  EXPECT_THROW(allocator.RecordStream(&not_ours, StreamRef{}), InvalidArgumentError);
+  allocator.Free(nullptr);  // a no-op, as everywhere
+}
+
 TEST_F(CachingAllocatorTest, LookupReportsRequestedAndRoundedSize) {
   void* p = Alloc(1000);
   const auto info = allocator_->Lookup(p);
