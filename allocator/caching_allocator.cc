@@ -199,10 +199,10 @@ void CachingAllocator::ClearHistory() {
 }
 
 std::optional<SegmentRange> CachingAllocator::SegmentOf(const void* ptr) const {
-  for (const auto& device : devices_) {
-    if (auto range = device->SegmentOf(ptr)) return range;
-  }
-  return std::nullopt;
+  std::optional<SegmentRange> range;
+  FindOwner(
+      [&](const DeviceAllocator& device) { return (range = device.SegmentOf(ptr)).has_value(); });
+  return range;
 }
 
 Snapshot CachingAllocator::TakeSnapshot() const {

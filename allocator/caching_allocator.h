@@ -113,12 +113,14 @@ class CachingAllocator {
   DeviceAllocator* FindOwner(Find find) const {
     if (devices_.empty()) return nullptr;  // a CUDA backend on a machine without a device
     const int hint = last_owner_.load(std::memory_order_relaxed);
-    if (find(*devices_[static_cast<size_t>(hint)]))
-      return devices_[static_cast<size_t>(hint)].get();
+    if (DeviceAllocator* const first = devices_[static_cast<size_t>(hint)].get(); find(*first)) {
+      return first;
+    }
     for (int d = 0; d < device_count(); ++d) {
-      if (d != hint && find(*devices_[static_cast<size_t>(d)])) {
+      DeviceAllocator* const device = devices_[static_cast<size_t>(d)].get();
+      if (d != hint && find(*device)) {
         last_owner_.store(d, std::memory_order_relaxed);
-        return devices_[static_cast<size_t>(d)].get();
+        return device;
       }
     }
     return nullptr;

@@ -175,6 +175,7 @@ TEST_F(CachingAllocatorTest, PointerOnlyCallsReachTheOwnerWhicheverDeviceAnswere
   void* p[3];
   for (int d = 0; d < 3; ++d) p[d] = allocator_->Malloc(4096, d, backend_->default_stream(d));
   for (int d : {2, 0, 1, 1, 2}) EXPECT_EQ(allocator_->Lookup(p[d])->device, d);
+  for (int d : {1, 0, 2}) EXPECT_EQ(allocator_->SegmentOf(p[d])->device, d);
   const StreamRef side = backend_->create_stream(0);
   allocator_->RecordStream(p[0], side);  // after device 2 answered
   allocator_->Free(p[2]);
