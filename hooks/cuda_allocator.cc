@@ -264,12 +264,9 @@ class SpillwayCudaAllocator final : public Base {
 #if SPILLWAY_TORCH_HAS_OOM_REJECTION_OBSERVER
   // PyTorch calls these observers when its throw_on_cudamalloc_oom policy refuses a request
   // before trying cudaMalloc. Spillway has no such policy (a request is refused only after the
-  // whole out-of-memory ladder, which the OutOfMemoryObservers hear of), so they are kept and
-  // never called.
-  void attachOomRejectionObserver(cca::OomRejectionObserver observer) {
-    std::lock_guard lock(mutex_);
-    oom_rejection_observers_.push_back(std::move(observer));
-  }
+  // whole out-of-memory ladder, which the OutOfMemoryObservers hear of): there is never
+  // anything to tell them, so they are not kept.
+  void attachOomRejectionObserver(cca::OomRejectionObserver /*observer*/) {}
 #endif
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker /*tracker*/) {
     Unsupported("allocator trace trackers (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK)");
@@ -449,9 +446,6 @@ class SpillwayCudaAllocator final : public Base {
   bool initialized_ = false;
   std::mutex mutex_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
-#if SPILLWAY_TORCH_HAS_OOM_REJECTION_OBSERVER
-  std::vector<cca::OomRejectionObserver> oom_rejection_observers_;
-#endif
   std::unordered_set<std::string> skip_actions_;
 };
 
