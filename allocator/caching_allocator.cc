@@ -56,23 +56,30 @@ void* CachingAllocator::Malloc(size_t size, int device, StreamRef stream) {
         "sizes up to %d bytes (%s)",
         size, FormatBytes(size), device, kMaxRequest, FormatBytes(kMaxRequest)));
   }
-  bool over_watermark = false;
+  TraceContext context = GatherContext();
+  void* ptr = MallocOn(allocator, size, stream, context, /*watermark_first=*/true);
+  if (ptr != nullptr) return ptr;
+  // Over the watermark: the handler (the offload engine) makes room before the allocation is
+  // made, so allocated bytes stay under the budget rather than pass it and come back down.
+  PressureHandler handler;
+  {
+    std::lock_guard lock(pressure_mutex_);
+    handler = pressure_handler_;
+  }
+  if (handler) handler(device, size);
+  return MallocOn(allocator, size, stream, context, /*watermark_first=*/false);
+}
+
+void* CachingAllocator::MallocOn(DeviceAllocator& allocator, size_t size, StreamRef stream,
+                                 TraceContext& context, bool watermark_first) {
   void* ptr = nullptr;
   try {
-    ptr = allocator.Malloc(size, stream, GatherContext(), &over_watermark);
+    ptr = allocator.Malloc(size, stream, context, watermark_first);
   } catch (...) {
     if (allocator.has_stream_errors()) DispatchStreamErrors(allocator);
     throw;
   }
   if (allocator.has_stream_errors()) DispatchStreamErrors(allocator);
-  if (over_watermark) {
-    PressureHandler handler;
-    {
-      std::lock_guard lock(pressure_mutex_);
-      handler = pressure_handler_;
-    }
-    if (handler) handler(device);
-  }
   return ptr;
 }
 

@@ -68,10 +68,11 @@ class CachingAllocator {
   void ClearHistory();
   Snapshot TakeSnapshot() const;
 
-  // Memory pressure: after a Malloc leaves `device`'s allocated bytes above its watermark, the
-  // handler runs (outside every allocator lock, in the allocating thread). The offload engine
+  // Memory pressure: before a Malloc of `incoming_bytes` that would take `device`'s allocated
+  // bytes past its watermark, the handler runs (outside every allocator lock, in the allocating
+  // thread); the allocation is made after it returns, whatever it managed. The offload engine
   // uses it to hold allocated bytes under its budget. SIZE_MAX disables.
-  using PressureHandler = std::function<void(int device)>;
+  using PressureHandler = std::function<void(int device, size_t incoming_bytes)>;
   void SetPressureHandler(PressureHandler handler);
   void SetWatermark(int device, size_t bytes);
   // A fraction in (0, 1] of the device's limit (total memory without one), resolved when the
@@ -136,6 +137,8 @@ class CachingAllocator {
   ContextGatherer gatherer_;
 
   void DispatchStreamErrors(DeviceAllocator& device);
+  void* MallocOn(DeviceAllocator& allocator, size_t size, StreamRef stream, TraceContext& context,
+                 bool watermark_first);
   mutable std::mutex observer_mutex_;
   StreamErrorObserver stream_error_observer_;
 

@@ -89,11 +89,15 @@ size_t DeviceAllocator::ComputeLimit() const {
   return limit;
 }
 
-void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext context,
-                              bool* over_watermark) {
+void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& context,
+                              bool watermark_first) {
   std::unique_lock lock(mutex_);
-  ProcessEventsLocked();
   const size_t rounded = policy_.RoundSize(size);
+  if (watermark_first && static_cast<size_t>(stats_.allocated_bytes.all().current) + rounded >
+                             watermark_.load(std::memory_order_relaxed)) {
+    return nullptr;
+  }
+  ProcessEventsLocked();
   const PoolKind kind = SizePolicy::PoolFor(rounded);
   const size_t segment_size = SizePolicy::SegmentSize(rounded);
 
@@ -136,10 +140,7 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext contex
     }
   }
   if (block == kNoBlock) ThrowOutOfMemory(size, rounded);
-  void* ptr = UseBlock(block, rounded, size, std::move(context));
-  *over_watermark = static_cast<size_t>(stats_.allocated_bytes.all().current) >
-                    watermark_.load(std::memory_order_relaxed);
-  return ptr;
+  return UseBlock(block, rounded, size, std::move(context));
 }
 
 BlockId DeviceAllocator::FindFree(PoolKind kind, StreamRef stream, size_t size) {

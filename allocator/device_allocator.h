@@ -66,10 +66,13 @@ class DeviceAllocator {
   DeviceAllocator(const DeviceAllocator&) = delete;
   DeviceAllocator& operator=(const DeviceAllocator&) = delete;
 
-  // `size` in [1, kMaxRequest]. Throws OutOfMemoryError when the ladder is exhausted. Sets
-  // `*over_watermark` when allocated bytes exceed the watermark after this allocation.
-  void* Malloc(size_t size, StreamRef stream, TraceContext context, bool* over_watermark);
-  // Allocated-bytes level above which Malloc reports pressure (the offload engine's budget):
+  // `size` in [1, kMaxRequest]. Throws OutOfMemoryError when the ladder is exhausted. With
+  // `watermark_first`, an allocation that would take allocated bytes past the watermark is not
+  // made: Malloc returns nullptr, so that the caller can relieve the pressure first (outside this
+  // lock) and ask again without it. `context` is moved from only when the allocation is made.
+  void* Malloc(size_t size, StreamRef stream, TraceContext& context, bool watermark_first);
+  // Allocated-bytes level that Malloc keeps allocations from passing unannounced (the offload
+  // engine's budget):
   // `bytes`, or `fraction` of the device's limit (of its total memory when it has no limit).
   // A fraction is resolved once the device has reserved memory, so a device nobody allocates on
   // is never asked for its total (on CUDA that would create its context).

@@ -42,7 +42,8 @@ OffloadEngine::OffloadEngine(CachingAllocator& allocator, const OffloadConfig& c
   devices_.resize(static_cast<size_t>(allocator_.device_count()));
   oom_callback_id_ = allocator_.AddFreeMemoryCallback(
       [this](int device, size_t bytes) { return ReleaseMemory(device, bytes); });
-  allocator_.SetPressureHandler([this](int device) { OnPressure(device); });
+  allocator_.SetPressureHandler(
+      [this](int device, size_t incoming_bytes) { OnPressure(device, incoming_bytes); });
   allocator_.SetStreamErrorObserver([this](const StreamError& error) { OnStreamError(error); });
   UpdateWatermarks();
 }

@@ -162,10 +162,11 @@ class OffloadEngine {
   void Drop(Entry& e);
   void ReleaseHost(Entry& e, std::optional<StreamRef> last_use);
   size_t SpillOldest(int device, size_t target_allocated, bool include_window);
-  void SpillToBudget(int device);
+  // Spills oldest saves until `incoming_bytes` more fit under the budget (less a hysteresis).
+  void SpillToBudget(int device, size_t incoming_bytes);
   size_t AllocatedBytes(int device) const;
   void UpdateWatermarks();
-  void OnPressure(int device);
+  void OnPressure(int device, size_t incoming_bytes);
   EventHandle TakeEvent(DeviceContext& dc);
 
   CachingAllocator& allocator_;

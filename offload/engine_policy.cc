@@ -56,14 +56,17 @@ void OffloadEngine::RunPolicy() {
       }
     }
   } else if (config_.policy == OffloadPolicy::kAuto) {
-    for (int d = 0; d < static_cast<int>(devices_.size()); ++d) SpillToBudget(d);
+    for (int d = 0; d < static_cast<int>(devices_.size()); ++d) SpillToBudget(d, 0);
   }
 }
 
-void OffloadEngine::SpillToBudget(int device) {
-  // Spill down to the budget less a hysteresis, so the next few allocations do not re-trigger.
+void OffloadEngine::SpillToBudget(int device, size_t incoming_bytes) {
+  // Spill down to the budget less a hysteresis, so the next few allocations do not re-trigger,
+  // and less what is about to be allocated, so that it fits too.
   const size_t budget = budget_bytes(device);
-  if (AllocatedBytes(device) > budget) SpillOldest(device, budget - budget / 16, false);
+  if (AllocatedBytes(device) + incoming_bytes <= budget) return;
+  const size_t target = budget - budget / 16;
+  SpillOldest(device, target > incoming_bytes ? target - incoming_bytes : 0, false);
 }
 
 size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool include_window) {
@@ -126,11 +129,11 @@ size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {
   return released;
 }
 
-void OffloadEngine::OnPressure(int device) {
+void OffloadEngine::OnPressure(int device, size_t incoming_bytes) {
   EngineLock lock(mutex_);
   if (in_policy_ || config_.policy != OffloadPolicy::kAuto) return;
   PolicyScope scope(in_policy_);
-  SpillToBudget(device);
+  SpillToBudget(device, incoming_bytes);
 }
 
 size_t OffloadEngine::AllocatedBytes(int device) const {

@@ -101,11 +101,12 @@ def _unpack(packed):
 def offload(policy="auto", budget_bytes=None, min_bytes=1 << 20, prefetch_bytes=None):
     """Offloads tensors saved for backward inside the block.
 
-    policy: "auto" (spill oldest saves first whenever allocated bytes pass a budget), "eager"
-        (spill everything eligible), or "off" (register, never spill).
+    policy: "auto" (before an allocation would take allocated bytes past a budget, spill the
+        oldest saves to make room), "eager" (spill everything eligible), or "off" (register,
+        never spill).
     budget_bytes: the "auto" budget; default: the configured fraction (80%) of the device limit.
-        A spill target, not a cap: what cannot be spilled (parameters, gradients, unsaved
-        tensors, the newest prefetch_bytes of saves, reloads in use) can carry the peak past it.
+        Held when enough can be spilled; what cannot be (parameters, gradients, unsaved tensors,
+        the newest prefetch_bytes of saves, reloads in use) can carry the peak past it.
     min_bytes: storages smaller than this are never spilled.
     prefetch_bytes: how far ahead backward reloads; default from the configuration (256 MiB).
     """

@@ -2,6 +2,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "allocator/errors.h"
@@ -269,8 +270,11 @@ TEST(DeviceMemoryQueries, OnlyWhenAFractionNeedsTheTotal) {
 TEST(DeviceMemoryQueries, AFractionWatermarkResolvesOnTheDevicesFirstMemory) {
   auto backend = CountingSimBackend::Make(3, 64 * kMiB);
   CachingAllocator allocator(backend, AllocatorConfig{});
-  std::vector<int> pressured;
-  allocator.SetPressureHandler([&](int device) { pressured.push_back(device); });
+  // (device, incoming bytes, bytes allocated on it when the handler ran)
+  std::vector<std::tuple<int, size_t, int64_t>> pressured;
+  allocator.SetPressureHandler([&](int device, size_t incoming) {
+    pressured.emplace_back(device, incoming, allocator.stats(device).allocated_bytes.all().current);
+  });
   for (int d = 0; d < 3; ++d) allocator.SetWatermarkFraction(d, 0.25);  // 16 MiB
   EXPECT_TRUE(backend->mem_info_calls.empty());
   const StreamRef stream = backend->default_stream(1);
@@ -278,7 +282,8 @@ TEST(DeviceMemoryQueries, AFractionWatermarkResolvesOnTheDevicesFirstMemory) {
   EXPECT_EQ(backend->mem_info_calls[1], 1);
   EXPECT_TRUE(pressured.empty());
   void* b = allocator.Malloc(8 * kMiB, 1, stream);  // 20 MiB allocated > 16 MiB
-  EXPECT_EQ(pressured, std::vector<int>{1});
+  // The handler ran before the allocation was made: it can make room for it.
+  EXPECT_EQ(pressured, (std::vector<std::tuple<int, size_t, int64_t>>{{1, 8 * kMiB, 12 * kMiB}}));
   EXPECT_EQ(backend->mem_info_calls.size(), 1u);  // devices 0 and 2 were never asked
   allocator.Free(a);
   allocator.Free(b);

@@ -54,7 +54,7 @@ TEST_F(OffloadPolicyTest, OffloadEagerSpillsAsSoonAsTheNextSave) {
   EXPECT_EQ(StateOf(second), Residency::kResident);
 }
 
-TEST_F(OffloadPolicyTest, OffloadAutoKeepsAllocatedUnderBudgetPlusLargestEntry) {
+TEST_F(OffloadPolicyTest, OffloadAutoKeepsAllocatedUnderBudget) {
   OffloadConfig config = Policy(OffloadPolicy::kAuto);
   config.budget_bytes = 24 * kMiB;
   config.prefetch_bytes = 4 * kMiB;
@@ -68,7 +68,8 @@ TEST_F(OffloadPolicyTest, OffloadAutoKeepsAllocatedUnderBudgetPlusLargestEntry) 
     layer_outputs.push_back(s);
     storages_.clear();
   }
-  EXPECT_LE(AllocStat("allocated_bytes.all.peak"), int64_t{24 * kMiB + 4 * kMiB});
+  // The spill makes room before each allocation, so allocated bytes never pass the budget.
+  EXPECT_LE(AllocStat("allocated_bytes.all.peak"), int64_t{24 * kMiB});
   EXPECT_GT(EngineStat("num_spills"), 10);
   // Oldest saved go first; the newest stay resident.
   EXPECT_NE(StateOf(layer_outputs.front()), Residency::kResident);

@@ -30,14 +30,17 @@ def test_eager_halves_the_peak_with_equal_losses():
     assert peak <= base_peak / 2, (peak, base_peak)
 
 
-def test_auto_keeps_the_peak_under_budget_plus_largest_activation():
+def test_auto_holds_the_peak_at_the_budget():
     base_losses, base_peak = measured(None)
     budget = base_peak // 2
-    largest = 16 * 4 * 128 * 128 * 4  # attention weights: batch x heads x seq x seq floats
+    # auto makes room before each allocation, so the peak passes the budget only by what was in
+    # use when nothing more could be spilled: 0.2 MiB on this model. Spilling after the fact
+    # instead overshoots by up to the largest activation (attention weights, 4 MiB).
+    slack = 1 << 20
     losses, peak = measured(lambda: spillway.offload("auto", budget_bytes=budget, min_bytes=0,
                                                      prefetch_bytes=PREFETCH))
     assert losses == base_losses
-    assert peak <= budget + largest, (peak, budget, largest)
+    assert peak <= budget + slack, (peak, budget)
     assert stat("spillway.num_spills") > 0
 
 
