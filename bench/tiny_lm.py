@@ -42,10 +42,12 @@ def batches(steps, batch, seq, vocab, seed=0):
 
 
 def train(steps=3, batch=16, seq=128, d_model=64, layers=4, nhead=4, ff=256, vocab=256,
-          offload=None, on_step=None, seed=0, device="cpu", checkpoint_layers=False):
+          offload=None, on_step=None, seed=0, device="cpu", checkpoint_layers=False,
+          amp_dtype=None):
     """Trains a fresh TinyLM; returns (losses, step_seconds): CPU time on "cpu" (the simulated
     device), wall time on CUDA. `offload` is a context-manager factory (e.g.
-    lambda: spillway.offload("eager")) wrapped around each forward pass."""
+    lambda: spillway.offload("eager")) wrapped around each forward pass; `amp_dtype` (e.g.
+    torch.bfloat16) runs the forward pass under autocast."""
     torch.manual_seed(seed)
     model = TinyLM(vocab, d_model, nhead, layers, ff, seq).to(device)
     model.checkpoint_layers = checkpoint_layers
@@ -57,7 +59,9 @@ def train(steps=3, batch=16, seq=128, d_model=64, layers=4, nhead=4, ff=256, voc
             torch.cuda.synchronize()
         start = time.perf_counter() if device != "cpu" else time.process_time()
         optimizer.zero_grad(set_to_none=True)
-        with (offload() if offload else contextlib.nullcontext()):
+        amp = (torch.autocast("cpu" if device == "cpu" else "cuda", dtype=amp_dtype)
+               if amp_dtype is not None else contextlib.nullcontext())
+        with amp, (offload() if offload else contextlib.nullcontext()):
             logits = model(tokens[:, :-1])
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab),
                                                      tokens[:, 1:].reshape(-1))

@@ -15,6 +15,11 @@
 // deferred until copy-done (record_stream once, then free). Reload = block allocated on the
 // consumer stream -> event there -> H2D stream waits -> copy -> reload-done -> consumer waits.
 //
+// Policies: `eager` spills every eligible entry at the next save or at the end of forward; `auto`
+// holds allocated device bytes under its budget: the allocator calls the engine before an
+// allocation that would pass the budget (CachingAllocator::SetPressureHandler), and the engine
+// spills the oldest eligible entries outside the prefetch window until that allocation fits.
+//
 // Thread-safe: one recursive mutex, because reloading allocates and an allocation may call back
 // into the engine (the out-of-memory rescue, the budget handler) on the same thread.
 #pragma once

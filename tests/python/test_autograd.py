@@ -1,6 +1,7 @@
-"""Offload inside real autograd use: checkpointing, retain_graph, in-place errors, exceptions,
-threads, and what is kept as it is."""
+"""Offload inside real autograd use: checkpointing, mixed precision, retain_graph, in-place
+errors, exceptions, threads, and what is kept as it is."""
 
+import contextlib
 import threading
 
 import pytest
@@ -50,6 +51,43 @@ def test_gradients_equal_without_offload(policy, checkpoint):
     assert_bitwise_equal(got, reference)
     if policy == "eager":
         assert stat("spillway.num_spills") > spills
+
+
+def conv_net():
+    torch.manual_seed(5)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(2),  # saves int64 indices
+        torch.nn.Dropout(0.25),  # saves its mask
+        torch.nn.Flatten(), torch.nn.Linear(16 * 16 * 16, 64), torch.nn.GELU(),
+        torch.nn.Linear(64, 10))
+
+
+@pytest.mark.parametrize("policy", ["eager", "auto"])
+def test_mixed_precision_training_is_bitwise_equal(policy):
+    """bfloat16 autocast, as most training runs: saved activations, autocast's weight casts and
+    (in torch 1.13) the dropout mask are bfloat16, the pooling indices int64; each comes back
+    exactly."""
+    model = conv_net()
+    x = torch.randn(32, 3, 32, 32)
+
+    def step(offload):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(11)  # the same dropout masks in both runs
+        context = contextlib.nullcontext() if offload is None else spillway.offload(
+            offload, budget_bytes=1 << 10 if offload == "auto" else None, min_bytes=0,
+            prefetch_bytes=0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with context:
+                loss = model(x).float().square().mean()
+        loss.backward()
+        return grads_of(model)
+
+    reference = step(None)
+    spills = stat("spillway.num_spills")
+    got = step(policy)
+    assert_bitwise_equal(got, reference)
+    assert stat("spillway.num_spills") > spills
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])

@@ -31,11 +31,12 @@ def cuda_script(body, install=True):
     return result.stdout
 
 
-def test_training_on_cuda_with_eager_offload_matches_and_spills():
-    out = cuda_script("""
-        base, _ = tiny_lm.train(steps=3, device="cuda")
+@pytest.mark.parametrize("amp", ["None", "torch.bfloat16"])
+def test_training_on_cuda_with_eager_offload_matches_and_spills(amp):
+    out = cuda_script(f"""
+        base, _ = tiny_lm.train(steps=3, device="cuda", amp_dtype={amp})
         spillway.reset_peak_stats()
-        got, _ = tiny_lm.train(steps=3, device="cuda",
+        got, _ = tiny_lm.train(steps=3, device="cuda", amp_dtype={amp},
                                offload=lambda: spillway.offload("eager", min_bytes=0))
         stats = spillway.memory_stats()
         print("equal", got == base)
