@@ -1,4 +1,5 @@
-// Randomized differential test of the caching allocator against a reference model kept here.
+// Randomized differential test of the caching allocator against a reference model
+// (differential_model.h).
 //
 // Thousands of random operations (malloc, free, record_stream with real asynchronous copies on
 // other streams, stream synchronization, event processing, empty_cache, memory pressure) run
@@ -46,6 +47,7 @@
 #include "allocator/stats.h"
 #include "gtest/gtest.h"
 #include "tests/allocator/byte_pattern.h"
+#include "tests/allocator/differential_model.h"
 #include "tests/allocator/test_util.h"
 #include "tests/sanitizers.h"
 
@@ -54,6 +56,9 @@ namespace {
 
 using testing::kKiB;
 using testing::kMiB;
+using testing::LiveAlloc;
+using testing::PendingFree;
+using testing::Tally;
 constexpr int kNumStreams = 3;
 constexpr size_t kCapacity = 256 * kMiB;
 // Copies on other streams touch at most this prefix of a block (keeps the test fast).
@@ -91,29 +96,7 @@ size_t PatternMismatch(const void* p, size_t n, uint64_t tag) {
   return n;
 }
 
-// ---- Reference model ----------------------------------------------------------------------------
-
-struct LiveAlloc {
-  size_t requested = 0;
-  size_t block_size = 0;  // what the allocator handed out (>= the rounded request)
-  PoolKind pool = PoolKind::kSmall;
-  int stream = 0;
-  uint64_t tag = 0;
-  std::set<int> uses;  // streams other than `stream` named by record_stream
-};
-
-struct PendingFree {
-  size_t requested = 0;
-  size_t block_size = 0;
-  PoolKind pool = PoolKind::kSmall;
-  int stream = 0;
-  // Use streams not synchronized since the free: once empty, the next event processing must
-  // release the block.
-  std::set<int> outstanding;
-  // Recorded on every use stream just before the free, so each completes no later than the
-  // allocator's own event: a released block must find all of them complete.
-  std::vector<EventHandle> markers;
-};
+// ---- The test ----------------------------------------------------------------------------------
 
 // An asynchronous copy on another stream and the host buffer it uses, kept until it ran.
 struct InflightCopy {
@@ -123,23 +106,6 @@ struct InflightCopy {
   bool verify = false;  // device-to-host: the buffer must hold `tag`'s pattern
   uint64_t tag = 0;
 };
-
-struct Expected {
-  std::array<int64_t, 3> allocation{}, allocated_bytes{}, requested_bytes{}, active{},
-      active_bytes{}, segment{}, reserved_bytes{}, inactive_split{}, inactive_split_bytes{};
-};
-
-int PoolIndex(PoolKind kind) { return 1 + static_cast<int>(kind); }
-
-void CheckStat(const char* name, const StatArray& actual, const std::array<int64_t, 3>& expected) {
-  static constexpr const char* kPools[] = {"all", "small_pool", "large_pool"};
-  for (int i = 0; i < 3; ++i) {
-    EXPECT_EQ(actual.by_pool[i].current, expected[i]) << name << "." << kPools[i] << ".current";
-    EXPECT_GE(actual.by_pool[i].peak, actual.by_pool[i].current) << name << "." << kPools[i];
-    EXPECT_EQ(actual.by_pool[i].allocated - actual.by_pool[i].freed, actual.by_pool[i].current)
-        << name << "." << kPools[i] << ": allocated - freed != current";
-  }
-}
 
 struct DiffParam {
   const char* name;
@@ -176,7 +142,7 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
     // Let every queued copy finish before host buffers and events go away.
     for (int s = 0; s < kNumStreams; ++s) backend_->synchronize_stream(0, streams_[s].handle);
     for (InflightCopy& c : inflight_) backend_->destroy_event(0, c.done);
-    for (auto& [addr, p] : pending_) {
+    for (auto& [addr, p] : model_.pending) {
       for (EventHandle e : p.markers) backend_->destroy_event(0, e);
     }
   }
@@ -207,7 +173,8 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
   }
 
   std::map<uintptr_t, LiveAlloc>::iterator RandomLive() {
-    return std::next(live_.begin(), static_cast<std::ptrdiff_t>(Uniform(0, live_.size() - 1)));
+    return std::next(model_.live.begin(),
+                     static_cast<std::ptrdiff_t>(Uniform(0, model_.live.size() - 1)));
   }
 
   // ---- Operations ----
@@ -273,8 +240,8 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
 
     LiveAlloc a{size, info->size, info->pool, s, next_tag_++, {}};
     FillPattern(p, size, a.tag);
-    live_.emplace(addr, std::move(a));
-    ++model_allocations_total_;
+    model_.live.emplace(addr, std::move(a));
+    ++model_.allocations_total;
 
     // Verified after the snapshot check, which tells whether pending frees were released.
     malloc_check_ = MallocCheck{
@@ -316,40 +283,11 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
         << " bytes free on the device, reserved " << reserved << ", limit " << limit_;
   }
 
-  // [addr, addr + size) is the live block at `addr`: no other live block and no block awaiting
-  // stream events may overlap it.
-  void CheckNoOverlap(uintptr_t addr, size_t size) {
-    auto live = live_.find(addr);
-    ASSERT_NE(live, live_.end());
-    if (std::next(live) != live_.end()) {
-      EXPECT_GE(std::next(live)->first, addr + size)
-          << "block [" << addr << ", +" << size << ") overlaps the live block at "
-          << std::next(live)->first;
-    }
-    if (live != live_.begin()) {
-      const auto& [prev_addr, prev] = *std::prev(live);
-      EXPECT_LE(prev_addr + prev.block_size, addr)
-          << "block at " << addr << " overlaps the live block [" << prev_addr << ", +"
-          << prev.block_size << ")";
-    }
-    auto it = pending_.upper_bound(addr);
-    if (it != pending_.end()) {
-      EXPECT_GE(it->first, addr + size) << "block [" << addr << ", +" << size
-                                        << ") overlaps the pending-free block at " << it->first;
-    }
-    if (it != pending_.begin()) {
-      --it;
-      EXPECT_LE(it->first + it->second.block_size, addr)
-          << "block at " << addr << " overlaps the pending-free block [" << it->first << ", +"
-          << it->second.block_size << ")";
-    }
-  }
-
   // `verify`: check the pattern first (not while copies may be writing the block).
   void DoFree(std::map<uintptr_t, LiveAlloc>::iterator it, bool verify = true) {
     const uintptr_t addr = it->first;
     LiveAlloc a = std::move(it->second);
-    live_.erase(it);
+    model_.live.erase(it);
     if (verify) VerifyPattern(addr, a);
     PendingFree pending{a.requested, a.block_size, a.pool, a.stream, a.uses, {}};
     for (int u : a.uses) {
@@ -359,10 +297,10 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
     }
     alloc_.Free(reinterpret_cast<void*>(addr));
     ++counts_.frees;
-    ++model_frees_total_;
+    ++model_.frees_total;
     if (!a.uses.empty()) {
       ++counts_.pending_frees;
-      pending_.emplace(addr, std::move(pending));
+      model_.pending.emplace(addr, std::move(pending));
     }
   }
 
@@ -423,7 +361,7 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
 
   void DoSynchronize(int s) {
     backend_->synchronize_stream(0, streams_[s].handle);
-    for (auto& [addr, p] : pending_) p.outstanding.erase(s);
+    for (auto& [addr, p] : model_.pending) p.outstanding.erase(s);
     ++counts_.syncs;
   }
 
@@ -468,167 +406,25 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
   }
 
   void VerifyAllPatterns() {
-    for (const auto& [addr, a] : live_) VerifyPattern(addr, a);
+    for (const auto& [addr, a] : model_.live) VerifyPattern(addr, a);
   }
 
   // ---- The per-step check ----
 
-  // Compares snapshot and statistics with the model. `events_processed`: the step may have
-  // completed pending frees. Returns how many pending frees were completed.
+  // Compares snapshot and statistics with the model (differential_model.h) and the backend.
+  // `events_processed`: the step may have completed pending frees. Returns how many pending
+  // frees were completed.
   int CheckAll(bool events_processed) {
     last_ = alloc_.TakeSnapshot();
     const DeviceStats stats = alloc_.stats(0);
-    Expected exp;
-    std::map<uintptr_t, const BlockSnapshot*> allocated, pending;
-    std::map<uintptr_t, const SegmentSnapshot*> segment_of;
-    size_t largest_free = 0;
-    uintptr_t previous_end = 0;
-
-    for (const SegmentSnapshot& seg : last_.segments) {
-      const int pi = PoolIndex(seg.pool);
-      EXPECT_EQ(seg.device, 0);
-      EXPECT_GE(seg.address, previous_end) << "segments overlap";
-      previous_end = seg.address + seg.total_size;
-      if (seg.pool == PoolKind::kSmall) {
-        EXPECT_EQ(seg.total_size, kSmallBuffer);
-      } else {
-        EXPECT_TRUE(seg.total_size == kLargeBuffer ||
-                    (seg.total_size >= kMinLargeAlloc && seg.total_size % kRoundLarge == 0))
-            << "large segment of " << seg.total_size << " bytes";
-      }
-      for (int i : {0, pi}) {
-        exp.segment[i] += 1;
-        exp.reserved_bytes[i] += static_cast<int64_t>(seg.total_size);
-      }
-      EXPECT_FALSE(seg.blocks.empty());
-      uintptr_t cursor = seg.address;
-      size_t allocated_size = 0, active_size = 0, requested_size = 0;
-      bool previous_inactive = false;
-      for (const BlockSnapshot& b : seg.blocks) {
-        EXPECT_EQ(b.address, cursor)
-            << "blocks of the segment at " << seg.address << " are not contiguous";
-        EXPECT_GT(b.size, 0u);
-        EXPECT_EQ(b.size % kMinBlockSize, 0u);
-        cursor = b.address + b.size;
-        const bool inactive = b.state == BlockState::kInactive;
-        EXPECT_FALSE(inactive && previous_inactive)
-            << "two adjacent free blocks at " << b.address << " were not merged";
-        previous_inactive = inactive;
-        switch (b.state) {
-          case BlockState::kActiveAllocated:
-            allocated.emplace(b.address, &b);
-            segment_of.emplace(b.address, &seg);
-            allocated_size += b.size;
-            active_size += b.size;
-            requested_size += b.requested_size;
-            break;
-          case BlockState::kActivePendingFree:
-            pending.emplace(b.address, &b);
-            active_size += b.size;
-            requested_size += b.requested_size;
-            break;
-          case BlockState::kInactive:
-            EXPECT_EQ(b.requested_size, 0u) << "free block at " << b.address;
-            largest_free = std::max(largest_free, b.size);
-            if (seg.blocks.size() > 1) {
-              for (int i : {0, pi}) {
-                exp.inactive_split[i] += 1;
-                exp.inactive_split_bytes[i] += static_cast<int64_t>(b.size);
-              }
-            }
-            break;
-        }
-      }
-      EXPECT_EQ(cursor, seg.address + seg.total_size)
-          << "blocks of the segment at " << seg.address << " do not add up to its size";
-      EXPECT_EQ(seg.allocated_size, allocated_size);
-      EXPECT_EQ(seg.active_size, active_size);
-      EXPECT_EQ(seg.requested_size, requested_size);
-    }
-
-    // Live set == active_allocated blocks.
-    EXPECT_EQ(allocated.size(), live_.size()) << "snapshot and model disagree on the live set";
-    for (const auto& [addr, a] : live_) {
-      auto it = allocated.find(addr);
-      if (it == allocated.end()) {
-        ADD_FAILURE() << "live allocation at " << addr
-                      << " is not active_allocated in the snapshot";
-        continue;
-      }
-      EXPECT_EQ(it->second->size, a.block_size);
-      EXPECT_EQ(it->second->requested_size, a.requested);
-      const SegmentSnapshot& seg = *segment_of.at(addr);
-      EXPECT_EQ(seg.stream, streams_[a.stream].id)
-          << "allocation lives in another stream's segment";
-      EXPECT_EQ(seg.pool, a.pool);
-      for (int i : {0, PoolIndex(a.pool)}) {
-        exp.allocation[i] += 1;
-        exp.allocated_bytes[i] += static_cast<int64_t>(a.block_size);
-        exp.requested_bytes[i] += static_cast<int64_t>(a.requested);
-        exp.active[i] += 1;
-        exp.active_bytes[i] += static_cast<int64_t>(a.block_size);
-      }
-    }
-
-    // Pending frees: still pending, or released by event processing once their uses completed.
-    int released = 0;
-    for (auto it = pending_.begin(); it != pending_.end();) {
-      PendingFree& p = it->second;
-      auto found = pending.find(it->first);
-      if (found != pending.end() && found->second->size == p.block_size) {
-        EXPECT_FALSE(events_processed && p.outstanding.empty())
-            << "block at " << it->first
-            << " still pending although every use stream was synchronized and events processed";
-        // Still counted in requested_bytes, and the snapshot says so too.
-        EXPECT_EQ(found->second->requested_size, p.requested) << "pending block at " << it->first;
-        for (int i : {0, PoolIndex(p.pool)}) {
-          exp.requested_bytes[i] += static_cast<int64_t>(p.requested);
-          exp.active[i] += 1;
-          exp.active_bytes[i] += static_cast<int64_t>(p.block_size);
-        }
-        ++it;
-        continue;
-      }
-      EXPECT_TRUE(events_processed)
-          << "block at " << it->first << " left active_pending_free without event processing";
-      for (EventHandle marker : p.markers) {
-        EXPECT_TRUE(backend_->query_event(0, marker))
-            << "block at " << it->first << " released before work on a use stream completed";
-        backend_->destroy_event(0, marker);
-      }
-      ++released;
-      it = pending_.erase(it);
-    }
-    EXPECT_EQ(pending.size(), pending_.size()) << "unexpected active_pending_free blocks";
-    counts_.pending_released += released;
-
-    CheckStat("allocation", stats.allocation, exp.allocation);
-    CheckStat("allocated_bytes", stats.allocated_bytes, exp.allocated_bytes);
-    CheckStat("requested_bytes", stats.requested_bytes, exp.requested_bytes);
-    CheckStat("active", stats.active, exp.active);
-    CheckStat("active_bytes", stats.active_bytes, exp.active_bytes);
-    CheckStat("segment", stats.segment, exp.segment);
-    CheckStat("reserved_bytes", stats.reserved_bytes, exp.reserved_bytes);
-    CheckStat("inactive_split", stats.inactive_split, exp.inactive_split);
-    CheckStat("inactive_split_bytes", stats.inactive_split_bytes, exp.inactive_split_bytes);
-
-    peak_allocation_ = std::max(peak_allocation_, exp.allocation[0]);
-    peak_allocated_bytes_ = std::max(peak_allocated_bytes_, exp.allocated_bytes[0]);
-    peak_reserved_bytes_ = std::max(peak_reserved_bytes_, exp.reserved_bytes[0]);
-    peak_active_ = std::max(peak_active_, exp.active[0]);
-    EXPECT_EQ(stats.allocation.all().peak, peak_allocation_);
-    EXPECT_EQ(stats.allocated_bytes.all().peak, peak_allocated_bytes_);
-    EXPECT_EQ(stats.reserved_bytes.all().peak, peak_reserved_bytes_);
-    EXPECT_EQ(stats.active.all().peak, peak_active_);
-    EXPECT_EQ(stats.allocation.all().allocated, model_allocations_total_);
-    EXPECT_EQ(stats.allocation.all().freed, model_frees_total_);
-
+    const Tally tally = model_.Reconcile(last_, stats, events_processed, streams_, *backend_);
+    counts_.pending_released += tally.released;
     // The allocator is the backend's only user: what it reserved is what the device has out.
-    EXPECT_EQ(backend_->bytes_in_use(0), static_cast<size_t>(exp.reserved_bytes[0]));
+    EXPECT_EQ(backend_->bytes_in_use(0), static_cast<size_t>(tally.reserved_bytes));
     EXPECT_EQ(stats.num_device_alloc, backend_->num_device_mallocs());
     EXPECT_EQ(stats.num_device_free, backend_->num_device_frees());
-    EXPECT_EQ(alloc_.LargestFreeBlock(0), largest_free);
-    return released;
+    EXPECT_EQ(alloc_.LargestFreeBlock(0), tally.largest_free);
+    return tally.released;
   }
 
   // Best fit, checked after the snapshot told whether pending frees were released.
@@ -637,8 +433,8 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
     const MallocCheck m = std::move(*malloc_check_);
     malloc_check_.reset();
     // Against the model after reconciliation: blocks released during the malloc may be reused.
-    if (auto it = live_.find(m.addr); it != live_.end())
-      CheckNoOverlap(m.addr, it->second.block_size);
+    if (auto it = model_.live.find(m.addr); it != model_.live.end())
+      model_.CheckNoOverlap(m.addr, it->second.block_size);
     if (released > 0) return;  // released blocks joined the pools: the prediction is stale
     if (alloc_.stats(0).num_alloc_retries != m.retries_before) return;  // the OOM ladder ran
     const SegmentSnapshot* seg = nullptr;
@@ -662,9 +458,9 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
       SCOPED_TRACE(absl::StrFormat("step %d (seed %d)", step, GetParam().seed));
       bool events = false;
       const auto live_bytes = static_cast<size_t>(alloc_.stats(0).allocated_bytes.all().current);
-      const bool full = live_bytes > 128 * kMiB || live_.size() > 600;
+      const bool full = live_bytes > 128 * kMiB || model_.live.size() > 600;
       const uint64_t r = Uniform(0, 999);
-      if (live_.empty() || (!full && r < 380)) {
+      if (model_.live.empty() || (!full && r < 380)) {
         events = DoMalloc(RandomSize());
       } else if (r < 680) {
         DoFree(RandomLive());
@@ -706,13 +502,13 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
   // Frees everything, waits for every stream, empties the cache: all statistics return to zero.
   void Finish() {
     VerifyAllPatterns();
-    while (!live_.empty()) DoFree(live_.begin());
+    while (!model_.live.empty()) DoFree(model_.live.begin());
     for (int s = 0; s < kNumStreams; ++s) DoSynchronize(s);
     alloc_.EmptyCache();
     CheckAll(true);
     RetireCopies();
     EXPECT_TRUE(inflight_.empty());
-    EXPECT_TRUE(pending_.empty());
+    EXPECT_TRUE(model_.pending.empty());
     const DeviceStats stats = alloc_.stats(0);
     EXPECT_EQ(stats.allocation.all().current, 0);
     EXPECT_EQ(stats.active.all().current, 0);
@@ -742,17 +538,13 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
   CachingAllocator alloc_;
   std::array<StreamRef, kNumStreams> streams_;
 
-  std::map<uintptr_t, LiveAlloc> live_;
-  std::map<uintptr_t, PendingFree> pending_;
+  testing::ReferenceModel model_;
   std::vector<InflightCopy> inflight_;
   Snapshot last_;
   std::optional<MallocCheck> malloc_check_;
   uint64_t next_tag_ = 1;
   size_t limit_ = 0;
   int limit_steps_left_ = 0;
-  int64_t model_allocations_total_ = 0, model_frees_total_ = 0;
-  int64_t peak_allocation_ = 0, peak_allocated_bytes_ = 0, peak_reserved_bytes_ = 0,
-          peak_active_ = 0;
   Counts counts_;
 };
 
