@@ -124,13 +124,17 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
     }
   }
   if (block == kNoBlock) {
-    // Step 2: wait for every pending stream use, give all wholly free cached segments back to
-    // the backend, and retry.
+    // Step 2: wait for every pending stream use and retry: a block that was waiting may serve
+    // now. Only if none does, give all wholly free cached segments back to the backend and ask it
+    // again. (PyTorch's allocator releases first, which turns a block that just became usable
+    // into a device free and a device malloc, each synchronizing the device on CUDA.)
     SynchronizeAllEvents();
-    ReleaseCachedSegments(std::numeric_limits<size_t>::max());
     ++stats_.num_alloc_retries;
     block = FindFree(kind, stream, rounded);
-    if (block == kNoBlock) block = AllocSegment(kind, stream, segment_size);
+    if (block == kNoBlock) {
+      ReleaseCachedSegments(std::numeric_limits<size_t>::max());
+      block = AllocSegment(kind, stream, segment_size);
+    }
     // Step 3, beyond PyTorch's allocator: a small request that still has nowhere to go takes free
     // space in a large-pool segment (split by the large pool's rules) rather than fail while
     // megabytes sit free there. Only here, at the edge of memory: it pins that segment, and

@@ -1,4 +1,5 @@
 // The out-of-memory ladder: callbacks, cache release and retry, and the final error.
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -146,6 +147,41 @@ TEST_F(OomTest, SmallRequestDoesNotTakeLargePoolSpaceOfAnotherStream) {
   void* big = Alloc(2 * kMiB, other);  // the free 18 MiB belong to `other`
   EXPECT_THROW(Alloc(kMiB / 2, stream_), OutOfMemoryError);
   allocator_->Free(big);
+}
+
+// A simulated device whose host waits open a held stream first: the out-of-memory ladder's wait
+// is then the moment that stream's work completes, whatever the timing.
+class OpenOnWaitBackend : public SimBackend {
+ public:
+  using SimBackend::SimBackend;
+  void synchronize_event(int device, EventHandle event) override {
+    if (hold != nullptr) hold->Open();
+    SimBackend::synchronize_event(device, event);
+  }
+  std::unique_ptr<StreamHold> hold;
+};
+
+TEST(OomLadderTest, ABlockTheWaitFreedIsReusedWithoutADeviceRoundTrip) {
+  SimBackend::Options options;
+  options.capacity_bytes = 64 * kMiB;
+  auto backend = std::make_shared<OpenOnWaitBackend>(options);
+  AllocatorConfig config;
+  config.memory_limit_bytes = 20 * kMiB;
+  CachingAllocator alloc(backend, config);
+  const StreamRef main = backend->default_stream(0);
+  const StreamRef side = backend->create_stream(0);
+  void* p = alloc.Malloc(12 * kMiB, 0, main);  // a 12 MiB segment: a second one passes the limit
+  backend->hold = backend->hold_stream(0, side.handle);
+  alloc.RecordStream(p, side);
+  alloc.Free(p);  // waits for `side`, which is held
+  void* q = alloc.Malloc(12 * kMiB, 0, main);
+  const auto stats = alloc.FlatStats(0);
+  EXPECT_EQ(stats.at("num_sync_all_streams"), 1) << "the ladder's wait ran";
+  EXPECT_EQ(q, p) << "the block the wait freed serves the request";
+  EXPECT_EQ(stats.at("num_device_free"), 0) << "its segment went back to the device and came again";
+  EXPECT_EQ(stats.at("num_device_alloc"), 1);
+  alloc.Free(q);
+  backend->hold.reset();
 }
 
 }  // namespace
