@@ -106,9 +106,12 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
     GarbageCollect(segment_size);
     block = AllocSegment(kind, stream, segment_size);
   }
+  // The out-of-memory ladder, cheapest step first: what the allocator can do on its own, then
+  // what the registered holders (the offload engine, whose spills cost copies) can give back.
+  if (block == kNoBlock) block = Reclaim(kind, stream, rounded, segment_size);
   if (block == kNoBlock && callbacks_) {
-    // Out-of-memory ladder, step 1: ask the registered holders (the offload engine) to give
-    // memory back. They free through this allocator, so the lock must not be held.
+    // Ask the holders to release memory. They free through this allocator, so the lock must not
+    // be held; then everything the allocator can do on its own, once more.
     const std::vector<FreeMemoryCallback> callbacks = callbacks_();
     if (!callbacks.empty()) {
       lock.unlock();
@@ -121,30 +124,38 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
       ProcessEventsLocked();
       block = FindFree(kind, stream, rounded);
       if (block == kNoBlock) block = AllocSegment(kind, stream, segment_size);
-    }
-  }
-  if (block == kNoBlock) {
-    // Step 2: wait for every pending stream use and retry: a block that was waiting may serve
-    // now. Only if none does, give all wholly free cached segments back to the backend and ask it
-    // again. (PyTorch's allocator releases first, which turns a block that just became usable
-    // into a device free and a device malloc, each synchronizing the device on CUDA.)
-    SynchronizeAllEvents();
-    ++stats_.num_alloc_retries;
-    block = FindFree(kind, stream, rounded);
-    if (block == kNoBlock) {
-      ReleaseCachedSegments(std::numeric_limits<size_t>::max());
-      block = AllocSegment(kind, stream, segment_size);
-    }
-    // Step 3, beyond PyTorch's allocator: a small request that still has nowhere to go takes free
-    // space in a large-pool segment (split by the large pool's rules) rather than fail while
-    // megabytes sit free there. Only here, at the edge of memory: it pins that segment, and
-    // PyTorch's pool separation is what keeps fragmentation low the rest of the time.
-    if (block == kNoBlock && kind == PoolKind::kSmall) {
-      block = FindFree(PoolKind::kLarge, stream, rounded);
+      if (block == kNoBlock) block = Reclaim(kind, stream, rounded, segment_size);
     }
   }
   if (block == kNoBlock) ThrowOutOfMemory(size, rounded);
   return UseBlock(block, rounded, size, std::move(context));
+}
+
+BlockId DeviceAllocator::Reclaim(PoolKind kind, StreamRef stream, size_t rounded,
+                                 size_t segment_size) {
+  // Wait for every pending stream use and retry: a block that was waiting may serve now. Only if
+  // none does, give all wholly free cached segments back to the backend and ask it again.
+  // (PyTorch's allocator releases first, which turns a block that just became usable into a
+  // device free and a device malloc, each synchronizing the device on CUDA.) With nothing
+  // pending there is nothing to wait for, and num_sync_all_streams counts real waits only.
+  const bool anything_pending = std::any_of(
+      pending_.begin(), pending_.end(), [](const auto& entry) { return !entry.second.empty(); });
+  if (anything_pending) SynchronizeAllEvents();
+  ++stats_.num_alloc_retries;
+  BlockId block = FindFree(kind, stream, rounded);
+  if (block == kNoBlock) {
+    ReleaseCachedSegments(std::numeric_limits<size_t>::max());
+    block = AllocSegment(kind, stream, segment_size);
+  }
+  // Beyond PyTorch's allocator: a small request that still has nowhere to go takes free space in
+  // a large-pool segment of its stream (split by the large pool's rules) rather than fail, or
+  // make the offload engine spill, while megabytes sit free there. Only here, at the edge of
+  // memory: it pins that segment, and PyTorch's pool separation is what keeps fragmentation low
+  // the rest of the time.
+  if (block == kNoBlock && kind == PoolKind::kSmall) {
+    block = FindFree(PoolKind::kLarge, stream, rounded);
+  }
+  return block;
 }
 
 BlockId DeviceAllocator::FindFree(PoolKind kind, StreamRef stream, size_t size) {

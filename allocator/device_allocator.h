@@ -137,6 +137,9 @@ class DeviceAllocator {
   void* UseBlock(BlockId block, size_t rounded, size_t requested, TraceContext context);
   void FreeBlock(BlockId block);
   bool ReleaseSegment(BlockId block);
+  // The out-of-memory ladder's own steps (no callbacks): the wait for pending stream uses, the
+  // release of cached segments, a small request in the large pool. kNoBlock if none serves.
+  BlockId Reclaim(PoolKind kind, StreamRef stream, size_t rounded, size_t segment_size);
   // Adds or removes a free block in its pool's index, keyed by its current size and address.
   void IndexInsert(BlockId block);
   void IndexErase(BlockId block);

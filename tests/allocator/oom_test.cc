@@ -85,7 +85,7 @@ TEST_F(OomTest, CachedSegmentsOfOtherStreamsAreReleasedAndRetried) {
   EXPECT_NE(q, nullptr);
   EXPECT_EQ(Stat("num_alloc_retries"), 1);
   EXPECT_EQ(Stat("num_device_free"), 1);
-  EXPECT_EQ(Stat("num_sync_all_streams"), 1);
+  EXPECT_EQ(Stat("num_sync_all_streams"), 0);  // nothing was pending: no wait
   allocator_->Free(q);
 }
 
@@ -110,7 +110,7 @@ TEST_F(OomTest, FailedAllocationLeavesStateUnchanged) {
   EXPECT_NE(Alloc(30 * kMiB), nullptr);  // and the allocator still serves
 }
 
-TEST_F(OomTest, SmallRequestTakesLargePoolSpaceOnlyAsTheLastStep) {
+TEST_F(OomTest, SmallRequestTakesLargePoolSpaceOnlyAtTheEdgeOfMemory) {
   Reset(AllocatorConfig{}, 20 * kMiB);  // room for one large segment and nothing else
   void* big = Alloc(2 * kMiB);          // a 20 MiB large-pool segment, 18 MiB of it free
   void* small = Alloc(kMiB / 2);        // no room for a 2 MiB small segment
@@ -120,7 +120,7 @@ TEST_F(OomTest, SmallRequestTakesLargePoolSpaceOnlyAsTheLastStep) {
   EXPECT_EQ(info->pool, PoolKind::kLarge);
   EXPECT_EQ(info->size, kMiB / 2);  // split off, by the large pool's rules
   EXPECT_EQ(allocator_->SegmentOf(small)->base, allocator_->SegmentOf(big)->base);
-  EXPECT_EQ(Stat("num_alloc_retries"), 1);  // after the rest of the ladder, not before
+  EXPECT_EQ(Stat("num_alloc_retries"), 1);  // after the wait and the release, not before
   EXPECT_EQ(Stat("num_ooms"), 0);
   EXPECT_EQ(Stat("allocation.large_pool.current"), 2);
   EXPECT_EQ(Stat("allocation.small_pool.current"), 0);
@@ -129,6 +129,25 @@ TEST_F(OomTest, SmallRequestTakesLargePoolSpaceOnlyAsTheLastStep) {
   allocator_->Free(big);
   allocator_->EmptyCache();
   EXPECT_EQ(Stat("reserved_bytes.all.current"), 0);
+}
+
+// A spill costs copies: the offload engine (a free-memory callback) is asked only after what the
+// allocator can do on its own, here a small request in the large pool's free space.
+TEST_F(OomTest, CallbacksComeAfterTheAllocatorsOwnSteps) {
+  Reset(AllocatorConfig{}, 20 * kMiB);  // room for one large segment and nothing else
+  int calls = 0;
+  allocator_->AddFreeMemoryCallback([&](int, size_t) -> size_t {
+    ++calls;
+    return 0;
+  });
+  void* big = Alloc(2 * kMiB);  // a 20 MiB large-pool segment, 18 MiB of it free
+  void* small = Alloc(kMiB / 2);
+  EXPECT_EQ(allocator_->SegmentOf(small)->base, allocator_->SegmentOf(big)->base);
+  EXPECT_EQ(calls, 0);
+  EXPECT_THROW(Alloc(19 * kMiB), OutOfMemoryError);  // nothing of its own left: then it asks
+  EXPECT_EQ(calls, 1);
+  allocator_->Free(small);
+  allocator_->Free(big);
 }
 
 TEST_F(OomTest, SmallRequestGetsItsOwnPoolWhileTheDeviceHasRoom) {

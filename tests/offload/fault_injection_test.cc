@@ -71,14 +71,12 @@ class OffloadFaultInjection : public OffloadEngineTest {
   }
 };
 
-// The device refuses memory for a reload. The device is full, so the allocator has to go to the
-// backend, and its out-of-memory ladder makes three attempts: the first two fail for want of
-// room, and the third (after the ladder handed a cached side-stream segment back to the device)
-// would succeed but for the injected failure. Acquire must report an out-of-memory error naming
-// the storage, leave the entry spilled with its host copy, and succeed once memory is there.
+// The device refuses memory for a reload: it is full, and no step of the allocator's
+// out-of-memory ladder, nor the engine's rescue, can make room. Acquire must report an
+// out-of-memory error naming the storage, leave the entry spilled with its host copy, and
+// succeed once memory is there.
 TEST_F(OffloadFaultInjection, OffloadDeviceMallocFailureDuringReload) {
   Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
-  const StreamRef side = backend_->create_stream(0);
   std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 1);  // >= 10 MiB: its own segment
   std::shared_ptr<TestStorage> b = NewStorage(16 * kMiB, 2);  // held by the program throughout
   const KeeperId ida = Save(a);
@@ -89,15 +87,13 @@ TEST_F(OffloadFaultInjection, OffloadDeviceMallocFailureDuringReload) {
   ASSERT_EQ(StateOf(a), Residency::kSpilled);
   ASSERT_EQ(StateOf(b), Residency::kResident);
 
-  // Fill the device: a's old segment goes back, a 36 MiB block stays live on the compute stream,
-  // and 12 MiB sit cached on a side stream, which a compute-stream request cannot use.
+  // Fill the device: a's old segment goes back and a 48 MiB block stays live on the compute
+  // stream, so no step of the out-of-memory ladder can make room (nothing is cached, b is held).
   allocator_->EmptyCache();
-  void* filler = allocator_->Malloc(36 * kMiB, 0, compute_);
-  allocator_->Free(allocator_->Malloc(12 * kMiB, 0, side));
+  void* filler = allocator_->Malloc(48 * kMiB, 0, compute_);
   ASSERT_EQ(backend_->bytes_in_use(0), 64 * kMiB);
 
   const int64_t failed_before = backend_->num_failed_device_mallocs();
-  backend_->fail_device_malloc_after(3);
   try {
     engine_->Acquire(ida, compute_);
     ADD_FAILURE() << "Acquire succeeded although the device refused the reload's memory";
@@ -107,9 +103,8 @@ TEST_F(OffloadFaultInjection, OffloadDeviceMallocFailureDuringReload) {
     EXPECT_EQ(e.requested_bytes(), 12 * kMiB);
     EXPECT_EQ(e.device(), 0);
   }
-  backend_->fail_device_malloc_after(-1);
-  // Two refusals for want of room, then the injected one: the fault is what failed the reload.
-  EXPECT_EQ(backend_->num_failed_device_mallocs() - failed_before, 3);
+  // Asked, then after the allocator's own steps, after the engine's rescue, after those again.
+  EXPECT_EQ(backend_->num_failed_device_mallocs() - failed_before, 4);
   EXPECT_EQ(AllocStat("num_ooms"), 1);
 
   // Nothing half-done: still spilled with its host copy, no device block kept, no reload counted.
@@ -118,16 +113,52 @@ TEST_F(OffloadFaultInjection, OffloadDeviceMallocFailureDuringReload) {
   EXPECT_EQ(EngineStat("spilled_bytes.current"), static_cast<int64_t>(12 * kMiB));
   EXPECT_EQ(EngineStat("host_bytes.current"), static_cast<int64_t>(12 * kMiB));
   EXPECT_EQ(EngineStat("num_reloads"), 0);
-  EXPECT_EQ(AllocStat("allocated_bytes.all.current"), static_cast<int64_t>(52 * kMiB));
+  EXPECT_EQ(AllocStat("allocated_bytes.all.current"), static_cast<int64_t>(64 * kMiB));
 
   EXPECT_EQ(Read(b), Pattern(16 * kMiB, 2));
-  // The ladder gave the side segment back, so there is room now: the same Acquire succeeds.
+  // Once the program gives memory back, the same Acquire succeeds.
+  allocator_->Free(filler);
+  allocator_->EmptyCache();
   EXPECT_EQ(AcquireAndRead(ida, 12 * kMiB), Pattern(12 * kMiB, 1));
   engine_->Synchronize();
   EXPECT_EQ(StateOf(a), Residency::kResident);
   EXPECT_EQ(EngineStat("num_reloads"), 1);
   // The other entry is served as before.
   EXPECT_EQ(AcquireAndRead(idb, 16 * kMiB), Pattern(16 * kMiB, 2));
+
+  a.reset();
+  b.reset();
+  DropAllAndExpectNoLeaks({ida, idb});
+}
+
+// A device malloc that fails once, where a retry would succeed: the ladder's next attempt serves
+// the reload. Here the failure hits the attempt made right after the ladder handed a cached
+// side-stream segment back to the full device; the attempt after the engine's rescue succeeds.
+TEST_F(OffloadFaultInjection, OffloadTransientDeviceMallocFailureDuringReloadIsRetried) {
+  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  const StreamRef side = backend_->create_stream(0);
+  std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 1);
+  std::shared_ptr<TestStorage> b = NewStorage(16 * kMiB, 2);
+  const KeeperId ida = Save(a);
+  const KeeperId idb = Save(b);
+  a->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(a), Residency::kSpilled);
+  allocator_->EmptyCache();
+  void* filler = allocator_->Malloc(36 * kMiB, 0, compute_);
+  allocator_->Free(allocator_->Malloc(12 * kMiB, 0, side));  // cached, useless to compute_
+  ASSERT_EQ(backend_->bytes_in_use(0), 64 * kMiB);
+
+  const int64_t failed_before = backend_->num_failed_device_mallocs();
+  backend_->fail_device_malloc_after(2);  // the attempt after the side segment went back
+  EXPECT_EQ(AcquireAndRead(ida, 12 * kMiB), Pattern(12 * kMiB, 1));
+  backend_->fail_device_malloc_after(-1);
+  EXPECT_EQ(backend_->num_failed_device_mallocs() - failed_before, 2);  // no room, then the fault
+  EXPECT_EQ(AllocStat("num_ooms"), 0);
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(a), Residency::kResident);
+  EXPECT_EQ(EngineStat("num_reloads"), 1);
 
   allocator_->Free(filler);
   a.reset();
