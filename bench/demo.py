@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(os.path.dirname(HERE), "out", "demo")
+# Snapshots and the plot go here (SPILLWAY_DEMO_OUT overrides, e.g. for the test of the demo).
+OUT = os.environ.get("SPILLWAY_DEMO_OUT") or os.path.join(os.path.dirname(HERE), "out", "demo")
 
 
 def run(device, config, extra=()):
@@ -19,6 +20,32 @@ def run(device, config, extra=()):
     if out.returncode != 0:
         sys.exit(f"demo: {' '.join(cmd)} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def does_not_fit(device, base):
+    """The same run on a device too small for it without offload."""
+    limit_mb = -(-int(base["peak_allocated"] * 0.6) // 2**20)  # 60% of the peak, rounded up
+    how = ("a simulated device of that capacity" if device == "sim" else
+           "torch.cuda.set_per_process_memory_fraction")
+    print(f"\nWhen the activations do not fit: the same run with {limit_mb} MiB of device memory "
+          f"({how})\n")
+    print("| configuration | result | peak allocated (MiB) | peak reserved (MiB) | to host (MiB) |"
+          " losses equal |")
+    print("|---|---|---:|---:|---:|---|")
+    limit = ["--limit-mb", str(limit_mb)]
+    for name, config in (("no offload", "default"), ("Spillway auto, default budget", "auto")):
+        r = run(device, config, limit)
+        if "oom" in r:
+            print(f"| {name} | out of memory | | | | |")
+            continue
+        equal = r["losses"] == base["losses"]
+        print(f"| {name} | completed | {r['peak_allocated'] / 2**20:.1f} | "
+              f"{r['peak_reserved'] / 2**20:.1f} | {r['bytes_to_host'] / 2**20:.1f} | "
+              f"{'yes (bitwise)' if equal else 'NO'} |")
+        if not equal:
+            sys.exit("demo: losses differ from the run without offload")
+        if config == "auto" and r["peak_reserved"] > limit_mb << 20:
+            sys.exit("demo: Spillway reserved more than the limit")
 
 
 def main():
@@ -50,6 +77,7 @@ def main():
               f"{'yes (bitwise)' if r['losses'] == base['losses'] else 'NO'} |")
     if any(r["losses"] != base["losses"] for _, r in rows):
         sys.exit("demo: losses differ from the run without offload")
+    does_not_fit(device, base)
     from spillway import report
 
     png = report.plot([report.load(without), report.load(with_eager)],

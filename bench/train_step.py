@@ -4,7 +4,7 @@
 
 Configurations: default (PyTorch's allocator, no offload; on the simulated device Spillway's
 allocator is the device, so this equals `spillway`), spillway (Spillway's allocator, no offload),
-eager, auto (with --budget bytes), save_on_cpu (torch.autograd.graph.save_on_cpu(pin_memory=True)
+eager, auto (--budget bytes; default 80% of the device limit), save_on_cpu (torch.autograd.graph.save_on_cpu(pin_memory=True)
 on the default allocator; CUDA only), checkpoint (activation checkpointing per layer on the
 default allocator). Each configuration needs its own process: an allocator is installed once per
 process.
@@ -46,6 +46,10 @@ def main():
     parser.add_argument("--budget", type=int, default=None, help="auto budget in bytes")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--capacity-mb", type=int, default=2048, help="simulated device size")
+    parser.add_argument("--limit-mb", type=int, default=None,
+                        help="device memory limit (the simulated device's capacity; on CUDA a "
+                        "per-process memory fraction); out of memory is then a result, not an "
+                        "error")
     parser.add_argument("--prefetch-mb", type=int, default=4)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
@@ -56,8 +60,8 @@ def main():
     parser.add_argument("--trace", default=None,
                         help="write the allocation trace of the run here (Spillway configs)")
     args = parser.parse_args()
-    if args.config == "auto" and not args.budget:
-        parser.error("--config auto needs --budget BYTES")
+    if args.limit_mb is not None and args.limit_mb <= 0:
+        parser.error("--limit-mb must be a positive number of MiB")
     if args.config == "save_on_cpu" and args.device != "cuda":
         parser.error("save_on_cpu has no meaning on the simulated device (it is host memory)")
 
@@ -65,8 +69,12 @@ def main():
     if uses_spillway:
         import spillway
 
-        spillway.install(args.device, capacity_bytes=args.capacity_mb << 20
+        capacity_mb = args.limit_mb if args.limit_mb is not None else args.capacity_mb
+        spillway.install(args.device, capacity_bytes=capacity_mb << 20
                          if args.device == "sim" else None)
+    if args.limit_mb is not None and args.device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (args.limit_mb << 20) / total))
     offload = None
     if args.config in ("eager", "auto"):
         offload = lambda: spillway.offload(  # noqa: E731
@@ -88,7 +96,14 @@ def main():
     if args.trace or args.snapshot:
         spillway.record_history(True, max_entries=1_000_000,
                                 stacks="python" if args.snapshot else "none")
-    losses, times = tiny_lm.train(steps=args.steps, offload=offload, **model_args)
+    try:
+        losses, times = tiny_lm.train(steps=args.steps, offload=offload, **model_args)
+    except torch.cuda.OutOfMemoryError as error:
+        if args.limit_mb is None:
+            raise
+        print(json.dumps({"device": args.device, "config": args.config,
+                          "oom": str(error).strip().splitlines()[0]}))
+        return
     if args.trace:
         write_trace(spillway.snapshot()["device_traces"][0], args.trace)
     if args.snapshot:
