@@ -66,7 +66,7 @@ void* CachingAllocator::Malloc(size_t size, int device, StreamRef stream) {
     std::lock_guard lock(pressure_mutex_);
     handler = pressure_handler_;
   }
-  if (handler) handler(device, size);
+  if (handler) handler(device, allocator.RoundSize(size));
   return MallocOn(allocator, size, stream, context, /*watermark_first=*/false);
 }
 

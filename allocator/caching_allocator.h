@@ -68,10 +68,11 @@ class CachingAllocator {
   void ClearHistory();
   Snapshot TakeSnapshot() const;
 
-  // Memory pressure: before a Malloc of `incoming_bytes` that would take `device`'s allocated
-  // bytes past its watermark, the handler runs (outside every allocator lock, in the allocating
-  // thread); the allocation is made after it returns, whatever it managed. The offload engine
-  // uses it to hold allocated bytes under its budget. SIZE_MAX disables.
+  // Memory pressure: before a Malloc that would take `device`'s allocated bytes past its
+  // watermark (by `incoming_bytes`, the request after the size policy's rounding), the handler runs
+  // (outside every allocator lock, in the allocating thread); the allocation is made after it
+  // returns, whatever it managed. The offload engine uses it to hold allocated bytes under its
+  // budget. SIZE_MAX disables.
   using PressureHandler = std::function<void(int device, size_t incoming_bytes)>;
   void SetPressureHandler(PressureHandler handler);
   void SetWatermark(int device, size_t bytes);

@@ -78,6 +78,8 @@ class DeviceAllocator {
   // is never asked for its total (on CUDA that would create its context).
   void SetWatermark(size_t bytes);
   void SetWatermarkFraction(double fraction);
+  // What an allocation of `size` bytes takes (the size policy's rounding).
+  size_t RoundSize(size_t size) const { return policy_.RoundSize(size); }
   // Returns false (and changes nothing) when `ptr` is not a live allocation of this device.
   bool Free(void* ptr, TraceContext context);
   // Marks `ptr` as used by `stream`: when freed it is reused only after work enqueued on `stream`
