@@ -4,9 +4,9 @@
 
 Configurations: default (PyTorch's allocator, no offload; on the simulated device Spillway's
 allocator is the device, so this equals `spillway`), spillway (Spillway's allocator, no offload),
-eager, auto (--budget bytes; default 80% of the device limit), save_on_cpu (torch.autograd.graph.save_on_cpu(pin_memory=True)
-on the default allocator; CUDA only), checkpoint (activation checkpointing per layer on the
-default allocator). Each configuration needs its own process: an allocator is installed once per
+eager, auto (--budget bytes; default 80% of the device limit), save_on_cpu
+(torch.autograd.graph.save_on_cpu(pin_memory=True) on the default allocator; CUDA only),
+checkpoint (activation checkpointing per layer on the default allocator). Each configuration needs its own process: an allocator is installed once per
 process.
 """
 

@@ -57,6 +57,25 @@ class OffloadFaultInjection : public OffloadEngineTest {
 
   static constexpr uint8_t kFill = 0x5A;
 
+  // Where the reload tests start: on a 64 MiB device, `a` (12 MiB, its own segment) is spilled
+  // and `b` (16 MiB) stays resident, held by the program throughout.
+  struct SpilledAndHeld {
+    std::shared_ptr<TestStorage> a, b;
+    KeeperId ida = 0, idb = 0;
+  };
+  SpilledAndHeld SpillOneHoldOne() {
+    Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+    SpilledAndHeld out{NewStorage(12 * kMiB, 1), NewStorage(16 * kMiB, 2)};
+    out.ida = Save(out.a);
+    out.idb = Save(out.b);
+    out.a->holders = 0;
+    engine_->ForwardEnd();
+    engine_->Synchronize();
+    EXPECT_EQ(StateOf(out.a), Residency::kSpilled);
+    EXPECT_EQ(StateOf(out.b), Residency::kResident);
+    return out;
+  }
+
   // Drops every keeper and storage, then checks that neither device nor pinned memory is left.
   void DropAllAndExpectNoLeaks(const std::vector<KeeperId>& ids) {
     for (const KeeperId id : ids) engine_->RemoveKeeper(id);
@@ -76,16 +95,8 @@ class OffloadFaultInjection : public OffloadEngineTest {
 // out-of-memory error naming the storage, leave the entry spilled with its host copy, and
 // succeed once memory is there.
 TEST_F(OffloadFaultInjection, OffloadDeviceMallocFailureDuringReload) {
-  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
-  std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 1);  // >= 10 MiB: its own segment
-  std::shared_ptr<TestStorage> b = NewStorage(16 * kMiB, 2);  // held by the program throughout
-  const KeeperId ida = Save(a);
-  const KeeperId idb = Save(b);
-  a->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
-  ASSERT_EQ(StateOf(a), Residency::kSpilled);
-  ASSERT_EQ(StateOf(b), Residency::kResident);
+  auto [a, b, ida, idb] = SpillOneHoldOne();
+  ASSERT_FALSE(HasFailure());
 
   // Fill the device: a's old segment goes back and a 48 MiB block stays live on the compute
   // stream, so no step of the out-of-memory ladder can make room (nothing is cached, b is held).
@@ -135,16 +146,9 @@ TEST_F(OffloadFaultInjection, OffloadDeviceMallocFailureDuringReload) {
 // the reload. Here the failure hits the attempt made right after the ladder handed a cached
 // side-stream segment back to the full device; the attempt after the engine's rescue succeeds.
 TEST_F(OffloadFaultInjection, OffloadTransientDeviceMallocFailureDuringReloadIsRetried) {
-  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  auto [a, b, ida, idb] = SpillOneHoldOne();
+  ASSERT_FALSE(HasFailure());
   const StreamRef side = backend_->create_stream(0);
-  std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 1);
-  std::shared_ptr<TestStorage> b = NewStorage(16 * kMiB, 2);
-  const KeeperId ida = Save(a);
-  const KeeperId idb = Save(b);
-  a->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
-  ASSERT_EQ(StateOf(a), Residency::kSpilled);
   allocator_->EmptyCache();
   void* filler = allocator_->Malloc(36 * kMiB, 0, compute_);
   allocator_->Free(allocator_->Malloc(12 * kMiB, 0, side));  // cached, useless to compute_
