@@ -102,6 +102,16 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
   const size_t segment_size = SizePolicy::SegmentSize(rounded);
 
   BlockId block = FindFree(kind, stream, rounded);
+  // Under a watermark (the offload engine's budget), blocks whose spill copies are still reading
+  // them are about to be free, and they are what the budget counts on: wait for them rather than
+  // take a segment that would lift reserved memory past the watermark. (Without the wait `auto`
+  // held its allocated bytes at the budget while its reserved bytes grew to twice that.)
+  if (block == kNoBlock &&
+      static_cast<size_t>(stats_.reserved_bytes.all().current) + segment_size >
+          watermark_.load(std::memory_order_relaxed) &&
+      SynchronizeAllEvents()) {
+    block = FindFree(kind, stream, rounded);
+  }
   if (block == kNoBlock) {
     GarbageCollect(segment_size);
     block = AllocSegment(kind, stream, segment_size);
@@ -138,9 +148,7 @@ BlockId DeviceAllocator::Reclaim(PoolKind kind, StreamRef stream, size_t rounded
   // (PyTorch's allocator releases first, which turns a block that just became usable into a
   // device free and a device malloc, each synchronizing the device on CUDA.) With nothing
   // pending there is nothing to wait for, and num_sync_all_streams counts real waits only.
-  const bool anything_pending = std::any_of(
-      pending_.begin(), pending_.end(), [](const auto& entry) { return !entry.second.empty(); });
-  if (anything_pending) SynchronizeAllEvents();
+  SynchronizeAllEvents();
   ++stats_.num_alloc_retries;
   BlockId block = FindFree(kind, stream, rounded);
   if (block == kNoBlock) {
@@ -497,7 +505,10 @@ void DeviceAllocator::ProcessEventsLocked() {
   }
 }
 
-void DeviceAllocator::SynchronizeAllEvents() {
+bool DeviceAllocator::SynchronizeAllEvents() {
+  const bool anything_pending = std::any_of(
+      pending_.begin(), pending_.end(), [](const auto& entry) { return !entry.second.empty(); });
+  if (!anything_pending) return false;
   ++stats_.num_sync_all_streams;
   for (auto& [stream, queue] : pending_) {
     while (!queue.empty()) {
@@ -509,6 +520,7 @@ void DeviceAllocator::SynchronizeAllEvents() {
     }
   }
   pending_.clear();
+  return true;
 }
 
 bool DeviceAllocator::UseIsOver(uint64_t stream, EventHandle event, bool wait) {

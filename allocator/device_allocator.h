@@ -161,7 +161,9 @@ class DeviceAllocator {
   void ReleaseCachedSegments(size_t until_freed);
   void GarbageCollect(size_t incoming);
   void ProcessEventsLocked();
-  void SynchronizeAllEvents();
+  // Waits on the host for every pending stream use and frees what waited. False (and nothing
+  // counted in num_sync_all_streams) when nothing was pending.
+  bool SynchronizeAllEvents();
   EventHandle TakeEvent();
   // Whether the work behind `event` (a stream use on `stream`) is over. A failed copy is over
   // too: the error is kept for the stream's owner and the block becomes reusable.

@@ -123,7 +123,7 @@ void RandomAllocations(benchmark::State& state, Kind kind, size_t live) {
   for (void*& p : ptrs) p = alloc.Malloc(churn.NextSize(), 0, stream);
 
   for (auto _ : state) {
-    void*& slot = ptrs[churn.NextVictim()];
+    void*& slot = churn.NextVictimSlot(ptrs);
     alloc.Free(slot, 0);
     slot = alloc.Malloc(churn.NextSize(), 0, stream);
   }

@@ -31,7 +31,7 @@ size_t ParseCount(const char* text, const char* what) {
 void Churn(spillway::CachingAllocator& alloc, spillway::StreamRef stream,
            spillway::bench::RandomChurn& churn, std::vector<void*>& ptrs, size_t pairs) {
   for (size_t i = 0; i < pairs; ++i) {
-    void*& slot = ptrs[churn.NextVictim()];
+    void*& slot = churn.NextVictimSlot(ptrs);
     alloc.Free(slot, 0);
     slot = alloc.Malloc(churn.NextSize(), 0, stream);
   }

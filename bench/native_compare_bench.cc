@@ -62,7 +62,7 @@ void RandomAllocations(benchmark::State& state, cca::CUDAAllocator* alloc, size_
   std::vector<c10::DataPtr> ptrs(live);
   for (c10::DataPtr& p : ptrs) p = alloc->allocate(churn.NextSize());
   for (auto _ : state) {
-    c10::DataPtr& slot = ptrs[churn.NextVictim()];
+    c10::DataPtr& slot = churn.NextVictimSlot(ptrs);
     slot.clear();  // the free
     slot = alloc->allocate(churn.NextSize());
   }

@@ -25,10 +25,18 @@ inline uint64_t SplitMix64(uint64_t x) {
 class RandomChurn {
  public:
   RandomChurn(size_t live, size_t max_size, uint64_t seed = 42)
-      : live_(live), max_size_(max_size), state_(seed) {}
+      : live_(live), max_size_(max_size), state_(seed), victim_(Below(live)) {}
 
-  // Index of the live allocation to free next, uniform in [0, live).
-  size_t NextVictim() { return Below(live_); }
+  // The slot of `live_ptrs` (`live` entries) to free next, uniform. The victim after it is drawn
+  // now and its slot prefetched: the array is the benchmark's own (0.8 MiB of pointers at 100k
+  // live), and waiting on it would add to the 100k case a cache miss that is not the allocator's.
+  template <typename Vector>
+  auto& NextVictimSlot(Vector& live_ptrs) {
+    auto& slot = live_ptrs[victim_];
+    victim_ = Below(live_);
+    __builtin_prefetch(&live_ptrs[victim_], 1);
+    return slot;
+  }
   // Size of the next allocation, uniform in [1, max_size].
   size_t NextSize() { return 1 + Below(max_size_); }
 
@@ -47,6 +55,7 @@ class RandomChurn {
   size_t live_;
   size_t max_size_;
   uint64_t state_;
+  size_t victim_;  // drawn one call ahead of NextVictimSlot
 };
 
 }  // namespace spillway::bench

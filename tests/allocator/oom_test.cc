@@ -203,5 +203,45 @@ TEST(OomLadderTest, ABlockTheWaitFreedIsReusedWithoutADeviceRoundTrip) {
   backend->hold.reset();
 }
 
+// Under a watermark (the offload engine's budget) a block still read by another stream, as a
+// spill's copy reads it, is awaited before reserved memory grows past the watermark; below it, or
+// with no watermark, the allocator takes a new segment and never blocks the host.
+TEST(OomLadderTest, PendingBlocksAreAwaitedBeforeReservedPassesTheWatermark) {
+  struct Outcome {
+    bool reused;
+    int64_t waits;
+    int64_t device_allocs;
+  };
+  const auto run = [](std::optional<size_t> watermark) {
+    SimBackend::Options options;
+    options.capacity_bytes = 64 * kMiB;
+    auto backend = std::make_shared<OpenOnWaitBackend>(options);
+    CachingAllocator alloc(backend, AllocatorConfig{});
+    if (watermark.has_value()) alloc.SetWatermark(0, *watermark);
+    const StreamRef main = backend->default_stream(0);
+    const StreamRef copy = backend->create_stream(0);
+    void* p = alloc.Malloc(12 * kMiB, 0, main);  // a 12 MiB segment
+    backend->hold = backend->hold_stream(0, copy.handle);
+    alloc.RecordStream(p, copy);
+    alloc.Free(p);  // waits for `copy`, which is held
+    void* q = alloc.Malloc(12 * kMiB, 0, main);
+    const auto stats = alloc.FlatStats(0);
+    const Outcome outcome{q == p, stats.at("num_sync_all_streams"), stats.at("num_device_alloc")};
+    alloc.Free(q);
+    backend->hold.reset();
+    return outcome;
+  };
+  const Outcome capped = run(16 * kMiB);  // a second segment would reserve 24 MiB
+  EXPECT_TRUE(capped.reused) << "the awaited block serves the request";
+  EXPECT_EQ(capped.waits, 1);
+  EXPECT_EQ(capped.device_allocs, 1);
+  for (const std::optional<size_t> watermark : {std::optional<size_t>(), std::optional(32 * kMiB)}) {
+    const Outcome free_to_grow = run(watermark);
+    EXPECT_FALSE(free_to_grow.reused) << "a new segment, without waiting";
+    EXPECT_EQ(free_to_grow.waits, 0);
+    EXPECT_EQ(free_to_grow.device_allocs, 2);
+  }
+}
+
 }  // namespace
 }  // namespace spillway::testing
