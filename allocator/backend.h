@@ -53,6 +53,10 @@ class Backend {
 
   // "cuda" or "sim".
   virtual std::string_view name() const = 0;
+  // Whether all access to device memory is work enqueued on streams, as kernels and copies are on
+  // CUDA. Only then may a block still in use on one stream be handed to another by making the new
+  // owner's stream wait: host code that touches device memory directly would not wait.
+  virtual bool accesses_follow_streams() const = 0;
   virtual int device_count() const = 0;
   virtual MemInfo mem_info(int device) = 0;
 

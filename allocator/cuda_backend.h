@@ -33,6 +33,7 @@ class CudaBackend : public Backend {
   CudaBackend();
 
   std::string_view name() const override { return "cuda"; }
+  bool accesses_follow_streams() const override { return true; }
   int device_count() const override { return device_count_; }
   MemInfo mem_info(int device) override;
 

@@ -103,13 +103,15 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
 
   BlockId block = FindFree(kind, stream, rounded);
   // Under a watermark (the offload engine's budget), blocks whose spill copies are still reading
-  // them are about to be free, and they are what the budget counts on: wait for them rather than
-  // take a segment that would lift reserved memory past the watermark. (Without the wait `auto`
-  // held its allocated bytes at the budget while its reserved bytes grew to twice that.)
+  // them are about to be free, and they are what the budget counts on: use them rather than take
+  // a segment that would lift reserved memory past the watermark. (Without this `auto` held its
+  // allocated bytes at the budget while its reserved bytes grew to twice that.) Where every
+  // access is stream work, `stream` waits for the copies and the host goes on; else the host
+  // waits for them.
   if (block == kNoBlock &&
       static_cast<size_t>(stats_.reserved_bytes.all().current) + segment_size >
           watermark_.load(std::memory_order_relaxed) &&
-      SynchronizeAllEvents()) {
+      (backend_.accesses_follow_streams() ? HandOverPending(stream) : SynchronizeAllEvents())) {
     block = FindFree(kind, stream, rounded);
   }
   if (block == kNoBlock) {
@@ -503,6 +505,41 @@ void DeviceAllocator::ProcessEventsLocked() {
       ++it;
     }
   }
+}
+
+bool DeviceAllocator::HandOverPending(StreamRef stream) {
+  const std::optional<uint16_t> slot = streams_.Find(stream.id);
+  if (!slot.has_value()) return false;
+  bool handed_over = false;
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    std::deque<Pending>& queue = it->second;
+    for (auto entry = queue.begin(); entry != queue.end();) {
+      // Only blocks of `stream`'s own pool: one of another stream's, freed now, could be reused
+      // on that stream, which has not waited.
+      if (arena_[entry->block].stream != *slot) {
+        ++entry;
+        continue;
+      }
+      try {
+        backend_.stream_wait_event(device_, stream.handle, entry->event);
+      } catch (const BackendError&) {
+        ++entry;  // stays pending: polled, or waited for on the host, as before
+        continue;
+      }
+      // The wait captured the event's work, so the event can be recorded again.
+      spare_events_.push_back(entry->event);
+      const BlockId block = entry->block;
+      entry = queue.erase(entry);
+      if (EventDone(block)) FreeBlock(block);
+      handed_over = true;
+    }
+    if (queue.empty()) {
+      pending_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  return handed_over;
 }
 
 bool DeviceAllocator::SynchronizeAllEvents() {

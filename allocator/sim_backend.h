@@ -79,6 +79,10 @@ class SimBackend : public Backend {
     std::chrono::microseconds max_jitter{0};
     // Seeds the per-stream jitter generators.
     uint64_t seed = 1;
+    // What accesses_follow_streams() answers. False by default: under PyTorch, CPU kernels read
+    // and write simulated device memory from the host thread, outside every stream. A user whose
+    // every access is a stream copy (the allocator's tests) may say true.
+    bool accesses_follow_streams = false;
   };
 
   SimBackend();
@@ -89,6 +93,7 @@ class SimBackend : public Backend {
   SimBackend& operator=(const SimBackend&) = delete;
 
   std::string_view name() const override { return "sim"; }
+  bool accesses_follow_streams() const override { return options_.accesses_follow_streams; }
   int device_count() const override { return options_.devices; }
   MemInfo mem_info(int device) override;
 

@@ -56,9 +56,35 @@ TEST_F(CudaAllocatorTest, RecordedUseOnABusyStreamHoldsTheBlockBack) {
   backend.destroy_stream(0, side.handle);
 }
 
+// Under a watermark (the offload budget) the block a copy still reads is handed to the next
+// request at once: the allocating stream waits for the copy, the host does not.
+TEST_F(CudaAllocatorTest, UnderAWatermarkTheAllocatingStreamWaitsForTheCopyNotTheHost) {
+  Backend& backend = allocator_->backend();
+  allocator_->SetWatermark(0, 2 * kMiB);  // one small-pool segment
+  const StreamRef side = backend.create_stream(0);
+  auto* const side_stream = static_cast<cudaStream_t>(side.handle);
+  void* x = allocator_->Malloc(kMiB, 0, nullptr);  // on the default stream
+  ASSERT_EQ(cudaLaunchHostFunc(side_stream, HoldTheStream, nullptr), cudaSuccess);
+  allocator_->RecordStream(x, side);
+  allocator_->Free(x);
+  void* y = allocator_->Malloc(kMiB, 0, nullptr);
+  EXPECT_EQ(y, x) << "a new segment was taken past the watermark";
+  EXPECT_EQ(cudaStreamQuery(side_stream), cudaErrorNotReady) << "the host waited";
+  EXPECT_EQ(cudaStreamQuery(nullptr), cudaErrorNotReady) << "the default stream did not wait";
+  (void)cudaGetLastError();  // "not ready" is an answer, not an error
+  EXPECT_EQ(allocator_->FlatStats(0).at("num_sync_all_streams"), 0);
+  backend.synchronize_stream(0, side.handle);
+  allocator_->Free(y);
+  backend.destroy_stream(0, side.handle);
+}
+
 #else
 
 TEST(CudaAllocatorTest, RecordedUseOnABusyStreamHoldsTheBlockBack) {
+  GTEST_SKIP() << "built without CUDA (SPILLWAY_HAVE_CUDA is not defined)";
+}
+
+TEST(CudaAllocatorTest, UnderAWatermarkTheAllocatingStreamWaitsForTheCopyNotTheHost) {
   GTEST_SKIP() << "built without CUDA (SPILLWAY_HAVE_CUDA is not defined)";
 }
 

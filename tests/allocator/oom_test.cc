@@ -1,4 +1,5 @@
 // The out-of-memory ladder: callbacks, cache release and retry, and the final error.
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -235,12 +236,60 @@ TEST(OomLadderTest, PendingBlocksAreAwaitedBeforeReservedPassesTheWatermark) {
   EXPECT_TRUE(capped.reused) << "the awaited block serves the request";
   EXPECT_EQ(capped.waits, 1);
   EXPECT_EQ(capped.device_allocs, 1);
-  for (const std::optional<size_t> watermark : {std::optional<size_t>(), std::optional(32 * kMiB)}) {
+  for (const std::optional<size_t> watermark :
+       {std::optional<size_t>(), std::optional(32 * kMiB)}) {
     const Outcome free_to_grow = run(watermark);
     EXPECT_FALSE(free_to_grow.reused) << "a new segment, without waiting";
     EXPECT_EQ(free_to_grow.waits, 0);
     EXPECT_EQ(free_to_grow.device_allocs, 2);
   }
+}
+
+// Where every access to device memory is stream work (CUDA), the awaited block is handed over
+// without blocking the host: the allocating stream waits for the copy still reading it.
+TEST(OomLadderTest, WhereAccessesFollowStreamsTheAllocatingStreamWaitsInsteadOfTheHost) {
+  SimBackend::Options options;
+  options.capacity_bytes = 64 * kMiB;
+  options.accesses_follow_streams = true;
+  auto backend = std::make_shared<OpenOnWaitBackend>(options);  // a host wait would open `copy`
+  CachingAllocator alloc(backend, AllocatorConfig{});
+  alloc.SetWatermark(0, 16 * kMiB);
+  const StreamRef main = backend->default_stream(0);
+  const StreamRef copy = backend->create_stream(0);
+  constexpr size_t kBytes = 12 * kMiB;
+  const std::vector<uint8_t> before(kBytes, 0xA1);
+  const std::vector<uint8_t> after(kBytes, 0xB2);
+  void* p = alloc.Malloc(kBytes, 0, main);
+  backend->memcpy_async(0, p, before.data(), kBytes, CopyKind::kHostToDevice, main.handle);
+  backend->synchronize_stream(0, main.handle);
+  // A spill: the copy to the host reads the block on `copy` (held), and the block is freed.
+  std::vector<uint8_t> spilled(kBytes);
+  backend->hold = backend->hold_stream(0, copy.handle);
+  backend->memcpy_async(0, spilled.data(), p, kBytes, CopyKind::kDeviceToHost, copy.handle);
+  alloc.RecordStream(p, copy);
+  alloc.Free(p);
+
+  void* q = alloc.Malloc(kBytes, 0, main);
+  EXPECT_EQ(q, p) << "the block still being copied serves the request";
+  const auto stats = alloc.FlatStats(0);
+  EXPECT_EQ(stats.at("num_sync_all_streams"), 0) << "the host did not wait";
+  EXPECT_EQ(stats.at("num_device_alloc"), 1);
+  // The new owner writes on `main`, which must wait for the copy: with `copy` held, it has not.
+  backend->memcpy_async(0, q, after.data(), kBytes, CopyKind::kHostToDevice, main.handle);
+  const EventHandle written = backend->create_event(0);
+  backend->record_event(0, written, main.handle);
+  EXPECT_FALSE(backend->query_event(0, written)) << "main did not wait for the copy";
+  backend->hold->Open();
+  backend->synchronize_stream(0, main.handle);
+  backend->synchronize_stream(0, copy.handle);
+  EXPECT_TRUE(spilled == before) << "the copy read the block before its new owner wrote it";
+  std::vector<uint8_t> now(kBytes);
+  backend->memcpy_async(0, now.data(), q, kBytes, CopyKind::kDeviceToHost, main.handle);
+  backend->synchronize_stream(0, main.handle);
+  EXPECT_TRUE(now == after) << "the new owner's bytes";
+  backend->destroy_event(0, written);
+  alloc.Free(q);
+  backend->hold.reset();
 }
 
 }  // namespace
