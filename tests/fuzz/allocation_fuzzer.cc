@@ -1,8 +1,8 @@
 // Fuzzes the caching allocator against a reference model. The input is a program of operations
 // on a 64 MiB simulated device with two streams: malloc (size, stream), free, bad frees (double,
 // interior), record_stream, a "kernel" writing into an allocation on the other stream, holding
-// a stream busy, empty_cache and memory-fraction changes. After every operation the allocator's
-// state must agree with the model:
+// a stream busy, empty_cache, memory-fraction and watermark changes. After every operation the
+// allocator's state must agree with the model:
 //  - every live allocation is found by Lookup with its requested size, a block size at least
 //    that large and its stream; no two live blocks overlap;
 //  - the first and last 8 bytes of every live allocation still hold what was written there at
@@ -51,6 +51,7 @@ enum Op : uint8_t {
   kEmptyCache,
   kSetFraction,
   kProcessEvents,
+  kSetWatermark,
   kNumOps,
 };
 
@@ -152,6 +153,13 @@ class Harness {
       case kProcessEvents:
         allocator_->ProcessEvents(0);
         break;
+      case kSetWatermark: {
+        // Eighths of the device, or none: under a watermark a new segment past it waits for
+        // pending stream uses first (the offload budget's rule), on the host here.
+        const int eighths = in.ConsumeIntegralInRange<int>(0, 8);
+        allocator_->SetWatermark(0, eighths == 8 ? SIZE_MAX : eighths * (kCapacity / 8));
+        break;
+      }
     }
   }
 
