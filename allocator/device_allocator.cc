@@ -111,7 +111,8 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
   if (block == kNoBlock &&
       static_cast<size_t>(stats_.reserved_bytes.all().current) + segment_size >
           watermark_.load(std::memory_order_relaxed) &&
-      (backend_.accesses_follow_streams() ? HandOverPending(stream) : SynchronizeAllEvents())) {
+      (backend_.accesses_follow_streams() ? HandOverPending(kind, stream)
+                                          : SynchronizeAllEvents())) {
     block = FindFree(kind, stream, rounded);
   }
   if (block == kNoBlock) {
@@ -507,7 +508,7 @@ void DeviceAllocator::ProcessEventsLocked() {
   }
 }
 
-bool DeviceAllocator::HandOverPending(StreamRef stream) {
+bool DeviceAllocator::HandOverPending(PoolKind kind, StreamRef stream) {
   const std::optional<uint16_t> slot = streams_.Find(stream.id);
   if (!slot.has_value()) return false;
   bool handed_over = false;
@@ -515,16 +516,22 @@ bool DeviceAllocator::HandOverPending(StreamRef stream) {
     std::deque<Pending>& queue = it->second;
     for (auto entry = queue.begin(); entry != queue.end();) {
       // Only blocks of `stream`'s own pool: one of another stream's, freed now, could be reused
-      // on that stream, which has not waited.
-      if (arena_[entry->block].stream != *slot) {
+      // on that stream, which has not waited. And only of the request's pool kind: a block of the
+      // other kind cannot serve it, and waiting for its copy would only delay `stream`.
+      const Block& pending_block = arena_[entry->block];
+      if (pending_block.stream != *slot || pending_block.pool != kind) {
         ++entry;
         continue;
       }
-      try {
-        backend_.stream_wait_event(device_, stream.handle, entry->event);
-      } catch (const BackendError&) {
-        ++entry;  // stays pending: polled, or waited for on the host, as before
-        continue;
+      // A use already over needs no wait; asking also reports a failed copy to the stream's owner
+      // now, as event processing would.
+      if (!UseIsOver(it->first, entry->event, /*wait=*/false)) {
+        try {
+          backend_.stream_wait_event(device_, stream.handle, entry->event);
+        } catch (const BackendError&) {
+          ++entry;  // stays pending: polled, or waited for on the host, as before
+          continue;
+        }
       }
       // The wait captured the event's work, so the event can be recorded again.
       spare_events_.push_back(entry->event);

@@ -161,10 +161,10 @@ class DeviceAllocator {
   void ReleaseCachedSegments(size_t until_freed);
   void GarbageCollect(size_t incoming);
   void ProcessEventsLocked();
-  // Makes `stream` wait for the pending stream uses of blocks of its own pool and frees those
-  // blocks, without blocking the host: for backends whose every access follows streams. False
-  // when no block was handed over.
-  bool HandOverPending(StreamRef stream);
+  // Makes `stream` wait for the pending stream uses of the `kind` blocks of its own pool and frees
+  // those blocks, without blocking the host: for backends whose every access follows streams.
+  // False when no block was handed over.
+  bool HandOverPending(PoolKind kind, StreamRef stream);
   // Waits on the host for every pending stream use and frees what waited. False (and nothing
   // counted in num_sync_all_streams) when nothing was pending.
   bool SynchronizeAllEvents();

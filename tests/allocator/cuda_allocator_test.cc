@@ -60,14 +60,17 @@ TEST_F(CudaAllocatorTest, RecordedUseOnABusyStreamHoldsTheBlockBack) {
 // request at once: the allocating stream waits for the copy, the host does not.
 TEST_F(CudaAllocatorTest, UnderAWatermarkTheAllocatingStreamWaitsForTheCopyNotTheHost) {
   Backend& backend = allocator_->backend();
-  allocator_->SetWatermark(0, 2 * kMiB);  // one small-pool segment
+  // 12 MiB requests take a segment of exactly 12 MiB (nothing left over to serve the second one);
+  // a second segment would reserve 24 MiB, past the watermark.
+  constexpr size_t kBytes = 12 * kMiB;
+  allocator_->SetWatermark(0, 16 * kMiB);
   const StreamRef side = backend.create_stream(0);
   auto* const side_stream = static_cast<cudaStream_t>(side.handle);
-  void* x = allocator_->Malloc(kMiB, 0, nullptr);  // on the default stream
+  void* x = allocator_->Malloc(kBytes, 0, nullptr);  // on the default stream
   ASSERT_EQ(cudaLaunchHostFunc(side_stream, HoldTheStream, nullptr), cudaSuccess);
   allocator_->RecordStream(x, side);
   allocator_->Free(x);
-  void* y = allocator_->Malloc(kMiB, 0, nullptr);
+  void* y = allocator_->Malloc(kBytes, 0, nullptr);
   EXPECT_EQ(y, x) << "a new segment was taken past the watermark";
   EXPECT_EQ(cudaStreamQuery(side_stream), cudaErrorNotReady) << "the host waited";
   EXPECT_EQ(cudaStreamQuery(nullptr), cudaErrorNotReady) << "the default stream did not wait";

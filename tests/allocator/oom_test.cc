@@ -1,8 +1,10 @@
 // The out-of-memory ladder: callbacks, cache release and retry, and the final error.
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/allocator/sim_fixture.h"
@@ -257,15 +259,16 @@ TEST(OomLadderTest, WhereAccessesFollowStreamsTheAllocatingStreamWaitsInsteadOfT
   const StreamRef main = backend->default_stream(0);
   const StreamRef copy = backend->create_stream(0);
   constexpr size_t kBytes = 12 * kMiB;
-  const std::vector<uint8_t> before(kBytes, 0xA1);
-  const std::vector<uint8_t> after(kBytes, 0xB2);
+  constexpr size_t kCopied = 64 * kKiB;  // what the copies move: quick, so timing is not close
+  const std::vector<uint8_t> before(kCopied, 0xA1);
+  const std::vector<uint8_t> after(kCopied, 0xB2);
   void* p = alloc.Malloc(kBytes, 0, main);
-  backend->memcpy_async(0, p, before.data(), kBytes, CopyKind::kHostToDevice, main.handle);
+  backend->memcpy_async(0, p, before.data(), kCopied, CopyKind::kHostToDevice, main.handle);
   backend->synchronize_stream(0, main.handle);
   // A spill: the copy to the host reads the block on `copy` (held), and the block is freed.
-  std::vector<uint8_t> spilled(kBytes);
+  std::vector<uint8_t> spilled(kCopied);
   backend->hold = backend->hold_stream(0, copy.handle);
-  backend->memcpy_async(0, spilled.data(), p, kBytes, CopyKind::kDeviceToHost, copy.handle);
+  backend->memcpy_async(0, spilled.data(), p, kCopied, CopyKind::kDeviceToHost, copy.handle);
   alloc.RecordStream(p, copy);
   alloc.Free(p);
 
@@ -274,21 +277,47 @@ TEST(OomLadderTest, WhereAccessesFollowStreamsTheAllocatingStreamWaitsInsteadOfT
   const auto stats = alloc.FlatStats(0);
   EXPECT_EQ(stats.at("num_sync_all_streams"), 0) << "the host did not wait";
   EXPECT_EQ(stats.at("num_device_alloc"), 1);
-  // The new owner writes on `main`, which must wait for the copy: with `copy` held, it has not.
-  backend->memcpy_async(0, q, after.data(), kBytes, CopyKind::kHostToDevice, main.handle);
+  // The new owner writes on `main`, which must wait for the copy. Had it not waited, its 64 KiB
+  // would be written well within the pause, before the copy runs.
+  backend->memcpy_async(0, q, after.data(), kCopied, CopyKind::kHostToDevice, main.handle);
   const EventHandle written = backend->create_event(0);
   backend->record_event(0, written, main.handle);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_FALSE(backend->query_event(0, written)) << "main did not wait for the copy";
   backend->hold->Open();
   backend->synchronize_stream(0, main.handle);
   backend->synchronize_stream(0, copy.handle);
   EXPECT_TRUE(spilled == before) << "the copy read the block before its new owner wrote it";
-  std::vector<uint8_t> now(kBytes);
-  backend->memcpy_async(0, now.data(), q, kBytes, CopyKind::kDeviceToHost, main.handle);
+  std::vector<uint8_t> now(kCopied);
+  backend->memcpy_async(0, now.data(), q, kCopied, CopyKind::kDeviceToHost, main.handle);
   backend->synchronize_stream(0, main.handle);
   EXPECT_TRUE(now == after) << "the new owner's bytes";
   backend->destroy_event(0, written);
   alloc.Free(q);
+  backend->hold.reset();
+}
+
+// The hand-over takes only blocks of the request's pool kind: a pending small block cannot serve
+// a large request, and waiting for its copy would only hold the allocating stream back.
+TEST(OomLadderTest, TheHandOverLeavesBlocksOfTheOtherPoolKindPending) {
+  SimBackend::Options options;
+  options.capacity_bytes = 64 * kMiB;
+  options.accesses_follow_streams = true;
+  auto backend = std::make_shared<OpenOnWaitBackend>(options);
+  CachingAllocator alloc(backend, AllocatorConfig{});
+  alloc.SetWatermark(0, kMiB);  // every new segment passes it
+  const StreamRef main = backend->default_stream(0);
+  const StreamRef copy = backend->create_stream(0);
+  void* small = alloc.Malloc(kMiB / 2, 0, main);
+  backend->hold = backend->hold_stream(0, copy.handle);
+  alloc.RecordStream(small, copy);
+  alloc.Free(small);
+  void* large = alloc.Malloc(12 * kMiB, 0, main);
+  const auto stats = alloc.FlatStats(0);
+  EXPECT_EQ(stats.at("active_bytes.small_pool.current"), static_cast<int64_t>(kMiB / 2))
+      << "the small block was handed over to a large request";
+  EXPECT_EQ(stats.at("num_sync_all_streams"), 0);
+  alloc.Free(large);
   backend->hold.reset();
 }
 
