@@ -149,6 +149,9 @@ class DeviceAllocator {
   // true when it was the last, and the block may be freed.
   void AddPendingEvent(BlockId block);
   bool EventDone(BlockId block);
+  // One pending use is over (or waited for): its event goes back to the spares, and the block is
+  // freed when it was the last.
+  void CompletePending(const Pending& done);
   // The key allocated_ confirms a slot with: the address of block `id`.
   auto AddressOf() const {
     return [this](BlockId id) { return arena_[id].ptr; };

@@ -1,5 +1,6 @@
 // DeviceAllocator's read-side: what a pointer is, statistics, history and snapshots. The
-// allocation paths (malloc, free, split/merge, stream uses, limits) are in device_allocator.cc.
+// allocation paths (malloc, free, split/merge, limits) are in device_allocator.cc, pending stream
+// uses in device_allocator_events.cc.
 #include <algorithm>
 #include <string>
 #include <vector>

@@ -33,6 +33,17 @@ class CudaAllocatorTest : public ::testing::Test {
         std::make_unique<CachingAllocator>(std::make_shared<CudaBackend>(), AllocatorConfig{});
   }
 
+  // Allocates `bytes` on the default stream, records a use on `side` while a host function holds
+  // `side` busy, and frees it: the block stays pending until `side` is done.
+  void* FreeWhileUsedOnABusyStream(size_t bytes, StreamRef side) {
+    void* ptr = allocator_->Malloc(bytes, 0, nullptr);
+    EXPECT_EQ(cudaLaunchHostFunc(static_cast<cudaStream_t>(side.handle), HoldTheStream, nullptr),
+              cudaSuccess);
+    allocator_->RecordStream(ptr, side);
+    allocator_->Free(ptr);
+    return ptr;
+  }
+
   std::unique_ptr<CachingAllocator> allocator_;
 };
 
@@ -40,10 +51,7 @@ TEST_F(CudaAllocatorTest, RecordedUseOnABusyStreamHoldsTheBlockBack) {
   Backend& backend = allocator_->backend();
   const StreamRef side = backend.create_stream(0);
   auto* const side_stream = static_cast<cudaStream_t>(side.handle);
-  void* x = allocator_->Malloc(kMiB, 0, nullptr);  // on the default stream
-  ASSERT_EQ(cudaLaunchHostFunc(side_stream, HoldTheStream, nullptr), cudaSuccess);
-  allocator_->RecordStream(x, side);
-  allocator_->Free(x);
+  void* x = FreeWhileUsedOnABusyStream(kMiB, side);
   void* y = allocator_->Malloc(kMiB, 0, nullptr);
   EXPECT_NE(y, x) << "reused while the side stream still used it";
   EXPECT_EQ(cudaStreamQuery(side_stream), cudaErrorNotReady) << "the free waited on the host";
@@ -66,10 +74,7 @@ TEST_F(CudaAllocatorTest, UnderAWatermarkTheAllocatingStreamWaitsForTheCopyNotTh
   allocator_->SetWatermark(0, 16 * kMiB);
   const StreamRef side = backend.create_stream(0);
   auto* const side_stream = static_cast<cudaStream_t>(side.handle);
-  void* x = allocator_->Malloc(kBytes, 0, nullptr);  // on the default stream
-  ASSERT_EQ(cudaLaunchHostFunc(side_stream, HoldTheStream, nullptr), cudaSuccess);
-  allocator_->RecordStream(x, side);
-  allocator_->Free(x);
+  void* x = FreeWhileUsedOnABusyStream(kBytes, side);
   void* y = allocator_->Malloc(kBytes, 0, nullptr);
   EXPECT_EQ(y, x) << "a new segment was taken past the watermark";
   EXPECT_EQ(cudaStreamQuery(side_stream), cudaErrorNotReady) << "the host waited";

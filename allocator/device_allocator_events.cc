@@ -1,0 +1,136 @@
+// DeviceAllocator's pending stream uses: a block freed after record_stream waits for one event
+// per other stream that used it. Polled at malloc (ProcessEventsLocked), waited for on the host
+// (SynchronizeAllEvents), or, under a watermark on backends whose every access follows streams,
+// handed to the allocating stream by making it wait (HandOverPending). The allocation paths are in
+// device_allocator.cc.
+#include <algorithm>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "allocator/device_allocator.h"
+#include "allocator/errors.h"
+
+namespace spillway {
+
+void DeviceAllocator::AddPendingEvent(BlockId id) {
+  ++arena_.mutable_extras(id).event_count;
+  arena_[id].pending = true;
+}
+
+bool DeviceAllocator::EventDone(BlockId id) {
+  if (--arena_.mutable_extras(id).event_count > 0) return false;
+  arena_[id].pending = false;
+  return true;
+}
+
+void DeviceAllocator::CompletePending(const Pending& done) {
+  spare_events_.push_back(done.event);
+  if (EventDone(done.block)) FreeBlock(done.block);
+}
+
+void DeviceAllocator::ProcessEvents() {
+  std::lock_guard lock(mutex_);
+  ProcessEventsLocked();
+}
+
+void DeviceAllocator::ProcessEventsLocked() {
+  if (pending_.empty()) return;  // the common case: no backend call at all
+  // One FIFO per stream, so a long-running stream does not hold up blocks used by others.
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    std::deque<Pending>& queue = it->second;
+    while (!queue.empty() && UseIsOver(it->first, queue.front().event, false)) {
+      CompletePending(queue.front());
+      queue.pop_front();
+    }
+    if (queue.empty()) {
+      pending_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+}
+
+bool DeviceAllocator::HandOverPending(PoolKind kind, StreamRef stream) {
+  const std::optional<uint16_t> slot = streams_.Find(stream.id);
+  if (!slot.has_value()) return false;
+  bool handed_over = false;
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    std::deque<Pending>& queue = it->second;
+    for (auto entry = queue.begin(); entry != queue.end();) {
+      // Only blocks of `stream`'s own pool: one of another stream's, freed now, could be reused
+      // on that stream, which has not waited. And only of the request's pool kind: a block of the
+      // other kind cannot serve it, and waiting for its copy would only delay `stream`.
+      const Block& pending_block = arena_[entry->block];
+      if (pending_block.stream != *slot || pending_block.pool != kind) {
+        ++entry;
+        continue;
+      }
+      // A use already over needs no wait; asking also reports a failed copy to the stream's owner
+      // now, as event processing would.
+      if (!UseIsOver(it->first, entry->event, /*wait=*/false)) {
+        try {
+          backend_.stream_wait_event(device_, stream.handle, entry->event);
+        } catch (const BackendError&) {
+          ++entry;  // stays pending: polled, or waited for on the host, as before
+          continue;
+        }
+      }
+      // The wait captured the event's work, so the event can be recorded again.
+      CompletePending(*entry);
+      entry = queue.erase(entry);
+      handed_over = true;
+    }
+    if (queue.empty()) {
+      pending_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  return handed_over;
+}
+
+bool DeviceAllocator::SynchronizeAllEvents() {
+  const bool anything_pending = std::any_of(
+      pending_.begin(), pending_.end(), [](const auto& entry) { return !entry.second.empty(); });
+  if (!anything_pending) return false;
+  ++stats_.num_sync_all_streams;
+  for (auto& [stream, queue] : pending_) {
+    while (!queue.empty()) {
+      UseIsOver(stream, queue.front().event, true);
+      CompletePending(queue.front());
+      queue.pop_front();
+    }
+  }
+  pending_.clear();
+  return true;
+}
+
+bool DeviceAllocator::UseIsOver(uint64_t stream, EventHandle event, bool wait) {
+  try {
+    if (wait) {
+      backend_.synchronize_event(device_, event);
+      return true;
+    }
+    return backend_.query_event(device_, event);
+  } catch (const BackendError& error) {
+    stream_errors_.push_back(StreamError{device_, stream, error.what()});
+    has_stream_errors_.store(true, std::memory_order_relaxed);
+    return true;
+  }
+}
+
+std::vector<StreamError> DeviceAllocator::TakeStreamErrors() {
+  std::lock_guard lock(mutex_);
+  has_stream_errors_.store(false, std::memory_order_relaxed);
+  return std::exchange(stream_errors_, {});
+}
+
+EventHandle DeviceAllocator::TakeEvent() {
+  if (spare_events_.empty()) return backend_.create_event(device_);
+  EventHandle event = spare_events_.back();
+  spare_events_.pop_back();
+  return event;
+}
+
+}  // namespace spillway
