@@ -107,13 +107,10 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
   // a segment that would lift reserved memory past the watermark. (Without this `auto` held its
   // allocated bytes at the budget while its reserved bytes grew to twice that.) Where every
   // access is stream work, `stream` waits for the copies and the host goes on; else the host
-  // waits for them.
-  if (block == kNoBlock &&
-      static_cast<size_t>(stats_.reserved_bytes.all().current) + segment_size >
-          watermark_.load(std::memory_order_relaxed) &&
-      (backend_.accesses_follow_streams() ? HandOverPending(kind, stream)
-                                          : SynchronizeAllEvents())) {
-    block = FindFree(kind, stream, rounded);
+  // waits for them. Only as many as the request needs, oldest first.
+  if (block == kNoBlock && static_cast<size_t>(stats_.reserved_bytes.all().current) + segment_size >
+                               watermark_.load(std::memory_order_relaxed)) {
+    block = AwaitPendingUntilFit(kind, stream, rounded);
   }
   if (block == kNoBlock) {
     GarbageCollect(segment_size);

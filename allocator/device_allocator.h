@@ -164,10 +164,11 @@ class DeviceAllocator {
   void ReleaseCachedSegments(size_t until_freed);
   void GarbageCollect(size_t incoming);
   void ProcessEventsLocked();
-  // Makes `stream` wait for the pending stream uses of the `kind` blocks of its own pool and frees
-  // those blocks, without blocking the host: for backends whose every access follows streams.
-  // False when no block was handed over.
-  bool HandOverPending(PoolKind kind, StreamRef stream);
+  // Frees the pending `kind` blocks of `stream`'s own pool, oldest first, until one serves a
+  // `rounded`-byte request, and returns that block (kNoBlock if none did). Each waits for its
+  // stream uses: where every access follows streams `stream` waits (cudaStreamWaitEvent) and the
+  // host goes on; elsewhere the host waits (counted once in num_sync_all_streams).
+  BlockId AwaitPendingUntilFit(PoolKind kind, StreamRef stream, size_t rounded);
   // Waits on the host for every pending stream use and frees what waited. False (and nothing
   // counted in num_sync_all_streams) when nothing was pending.
   bool SynchronizeAllEvents();

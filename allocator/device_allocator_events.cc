@@ -1,7 +1,8 @@
 // DeviceAllocator's pending stream uses: a block freed after record_stream waits for one event
 // per other stream that used it. Polled at malloc (ProcessEventsLocked), waited for on the host
-// (SynchronizeAllEvents), or, under a watermark on backends whose every access follows streams,
-// handed to the allocating stream by making it wait (HandOverPending). The allocation paths are in
+// (SynchronizeAllEvents), or, under a watermark, awaited one at a time until a request fits
+// (AwaitPendingUntilFit: by the allocating stream where every access follows streams, else by
+// the host). The allocation paths are in
 // device_allocator.cc.
 #include <algorithm>
 #include <optional>
@@ -51,13 +52,16 @@ void DeviceAllocator::ProcessEventsLocked() {
   }
 }
 
-bool DeviceAllocator::HandOverPending(PoolKind kind, StreamRef stream) {
+BlockId DeviceAllocator::AwaitPendingUntilFit(PoolKind kind, StreamRef stream, size_t rounded) {
   const std::optional<uint16_t> slot = streams_.Find(stream.id);
-  if (!slot.has_value()) return false;
-  bool handed_over = false;
-  for (auto it = pending_.begin(); it != pending_.end();) {
+  if (!slot.has_value()) return kNoBlock;
+  const bool on_stream = backend_.accesses_follow_streams();
+  bool host_waited = false;
+  BlockId found = kNoBlock;
+  for (auto it = pending_.begin(); it != pending_.end() && found == kNoBlock;) {
     std::deque<Pending>& queue = it->second;
-    for (auto entry = queue.begin(); entry != queue.end();) {
+    // Oldest first: a copy stream runs its copies in order, so the front's copy is done first.
+    for (auto entry = queue.begin(); entry != queue.end() && found == kNoBlock;) {
       // Only blocks of `stream`'s own pool: one of another stream's, freed now, could be reused
       // on that stream, which has not waited. And only of the request's pool kind: a block of the
       // other kind cannot serve it, and waiting for its copy would only delay `stream`.
@@ -69,17 +73,24 @@ bool DeviceAllocator::HandOverPending(PoolKind kind, StreamRef stream) {
       // A use already over needs no wait; asking also reports a failed copy to the stream's owner
       // now, as event processing would.
       if (!UseIsOver(it->first, entry->event, /*wait=*/false)) {
-        try {
-          backend_.stream_wait_event(device_, stream.handle, entry->event);
-        } catch (const BackendError&) {
-          ++entry;  // stays pending: polled, or waited for on the host, as before
-          continue;
+        if (on_stream) {
+          try {
+            backend_.stream_wait_event(device_, stream.handle, entry->event);
+          } catch (const BackendError&) {
+            ++entry;  // stays pending: polled, or waited for on the host, as before
+            continue;
+          }
+        } else {
+          UseIsOver(it->first, entry->event, /*wait=*/true);
+          host_waited = true;
         }
       }
       // The wait captured the event's work, so the event can be recorded again.
       CompletePending(*entry);
       entry = queue.erase(entry);
-      handed_over = true;
+      // Stop as soon as the request fits: every further wait would hold `stream` (or the host)
+      // back for a copy it does not need.
+      found = FindFree(kind, stream, rounded);
     }
     if (queue.empty()) {
       pending_.erase(it++);
@@ -87,7 +98,8 @@ bool DeviceAllocator::HandOverPending(PoolKind kind, StreamRef stream) {
       ++it;
     }
   }
-  return handed_over;
+  if (host_waited) ++stats_.num_sync_all_streams;
+  return found;
 }
 
 bool DeviceAllocator::SynchronizeAllEvents() {

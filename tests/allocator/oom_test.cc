@@ -1,4 +1,5 @@
 // The out-of-memory ladder: callbacks, cache release and retry, and the final error.
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -320,6 +321,50 @@ TEST(OomLadderTest, TheHandOverLeavesBlocksOfTheOtherPoolKindPending) {
   alloc.Free(large);
   backend->hold.reset();
 }
+
+// Under a watermark only as many pending blocks are awaited as the request needs, oldest first:
+// a copy stream runs its copies in order, so the oldest is done first, and every further wait
+// would hold the allocating stream (or, where kernels run on the host, the host) back for a copy
+// the request does not need.
+class AwaitOnlyWhatFitsTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(AwaitOnlyWhatFitsTest, TheOldestPendingBlockServesAndTheOthersStayPending) {
+  SimBackend::Options options;
+  options.capacity_bytes = 64 * kMiB;
+  options.accesses_follow_streams = GetParam();
+  auto backend = std::make_shared<OpenOnWaitBackend>(options);
+  CachingAllocator alloc(backend, AllocatorConfig{});
+  alloc.SetWatermark(0, 16 * kMiB);  // every new segment passes it
+  const StreamRef main = backend->default_stream(0);
+  const StreamRef copy = backend->create_stream(0);
+  constexpr size_t kBytes = 12 * kMiB;
+  std::vector<void*> spilled;
+  for (int i = 0; i < 3; ++i) spilled.push_back(alloc.Malloc(kBytes, 0, main));
+  backend->hold = backend->hold_stream(0, copy.handle);
+  // Freed newest-address first, so the oldest pending block is not the one best fit would pick.
+  std::reverse(spilled.begin(), spilled.end());
+  for (void* p : spilled) {
+    alloc.RecordStream(p, copy);
+    alloc.Free(p);
+  }
+  void* q = alloc.Malloc(kBytes, 0, main);
+  EXPECT_EQ(q, spilled.front()) << "the oldest pending block serves the request";
+  const auto stats = alloc.FlatStats(0);
+  EXPECT_EQ(stats.at("active_bytes.large_pool.current"), static_cast<int64_t>(3 * kBytes))
+      << "the two younger blocks were awaited too";
+  EXPECT_EQ(stats.at("num_device_alloc"), 3);
+  EXPECT_EQ(stats.at("num_sync_all_streams"), GetParam() ? 0 : 1);
+  alloc.Free(q);
+  backend->hold.reset();
+  backend->synchronize_stream(0, copy.handle);
+  alloc.EmptyCache();  // polls the events: the younger blocks' copies are done now
+  EXPECT_EQ(alloc.FlatStats(0).at("active_bytes.all.current"), 0) << "the others were freed later";
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, AwaitOnlyWhatFitsTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "AccessesFollowStreams" : "HostWaits";
+                         });
 
 }  // namespace
 }  // namespace spillway::testing
