@@ -24,6 +24,9 @@ class AddressTable {
   AddressTable() : slots_(kMinCapacity) {}
 
   size_t size() const { return size_; }
+  static constexpr size_t kBytesPerSlot = 8;
+  // Slots held; a power of two.
+  size_t capacity() const { return slots_.size(); }
 
   // 0 when `key` is absent.
   template <typename KeyOf>
@@ -65,6 +68,14 @@ class AddressTable {
     return value;
   }
 
+  // Gives back what a burst of live allocations grew the table to, once they are gone (the
+  // allocator calls it from empty_cache): the smallest capacity at most half full.
+  void ShrinkToFit() {
+    size_t capacity = kMinCapacity;
+    while (capacity < 2 * size_) capacity *= 2;
+    if (capacity < slots_.size()) Rehash(capacity);
+  }
+
   // Starts loading the cache line `key` would be looked up in.
   void Prefetch(uintptr_t key) const { __builtin_prefetch(&slots_[Home(Hash(key))]); }
 
@@ -73,6 +84,7 @@ class AddressTable {
     uint32_t tag = 0;
     uint32_t value = 0;  // 0: empty
   };
+  static_assert(sizeof(Slot) == kBytesPerSlot);
   static constexpr size_t kMinCapacity = 64;
   static constexpr size_t kAbsent = SIZE_MAX;
 
@@ -108,8 +120,9 @@ class AddressTable {
     slots_[i] = entry;
   }
 
-  void Grow() {
-    Slots old(slots_.size() * 2);
+  void Grow() { Rehash(slots_.size() * 2); }
+  void Rehash(size_t capacity) {
+    Slots old(capacity);
     old.swap(slots_);
     shift_ = 64 - std::countr_zero(slots_.size());
     for (const Slot& slot : old) {

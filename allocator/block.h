@@ -9,6 +9,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
@@ -253,13 +254,44 @@ class BlockArena {
     const BlockExtras* e = extras(id);
     return e != nullptr && !e->stream_uses.empty();
   }
+  // Host memory per id: the block, its extras pointer and its place in the free list.
+  static constexpr size_t kBytesPerId = sizeof(Block) + sizeof(void*) + sizeof(BlockId);
+  // Ids the arena holds room for (a power of two, at least kMinIds).
+  size_t capacity() const { return blocks_.size(); }
+
+  // Gives back the tail of the id space that no block uses any more, as after a burst of blocks
+  // is gone (the allocator calls it from empty_cache). Ids in use keep their slots, so nothing
+  // that names a block changes. Linear in the capacity.
+  void Trim() {
+    std::vector<bool> is_free(blocks_.size(), false);
+    for (const BlockId id : free_) is_free[id] = true;
+    size_t used_end = 1;  // one past the highest id in use; id 0 (kNoBlock) always stays
+    for (size_t id = blocks_.size() - 1; id > 0; --id) {
+      if (!is_free[id]) {
+        used_end = id + 1;
+        break;
+      }
+    }
+    const size_t target = std::max(kMinIds, std::bit_ceil(used_end));
+    if (target >= blocks_.size()) return;
+    blocks_.resize(target);
+    blocks_.shrink_to_fit();
+    extras_.resize(target);
+    extras_.shrink_to_fit();
+    free_.clear();
+    for (size_t id = target - 1; id > 0; --id) {
+      if (is_free[id]) free_.push_back(static_cast<BlockId>(id));
+    }
+    free_.shrink_to_fit();
+  }
 
  private:
+  static constexpr size_t kMinIds = 256;
   // Doubling: a copy of every block now and then (amortized O(1) per New, like the address
   // table's rehash), in exchange for one load per id on every access.
   void Grow() {
     const size_t first = blocks_.size();
-    const size_t grown = std::max<size_t>(256, 2 * first);
+    const size_t grown = std::max(kMinIds, 2 * first);
     if (grown > UINT32_MAX) throw std::length_error("spillway: more than 2^32 blocks on a device");
     blocks_.resize(grown);
     extras_.resize(grown);

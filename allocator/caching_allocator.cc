@@ -185,6 +185,8 @@ size_t CachingAllocator::LargestFreeBlock(int device) const {
   return At(device).LargestFreeBlock();
 }
 
+size_t CachingAllocator::MetadataBytes(int device) const { return At(device).MetadataBytes(); }
+
 void CachingAllocator::ProcessEvents(int device) {
   DeviceAllocator& allocator = At(device);
   allocator.ProcessEvents();

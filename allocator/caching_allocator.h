@@ -58,6 +58,8 @@ class CachingAllocator {
   void ResetPeakStats(int device);
   void ResetAccumulatedStats(int device);
   size_t LargestFreeBlock(int device) const;
+  // Host memory the device's own bookkeeping holds (see DeviceAllocator::MetadataBytes).
+  size_t MetadataBytes(int device) const;
   void ProcessEvents(int device);
 
   // History. `max_entries` 0 means the configured `history_entries`. The gatherer (may be

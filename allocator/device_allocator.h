@@ -112,6 +112,9 @@ class DeviceAllocator {
   void CollectStreamHandles(std::map<uint64_t, uintptr_t>& out) const;
   // Size of the largest cached free block (PyTorch's cacheInfo).
   size_t LargestFreeBlock() const;
+  // Host bytes the block arena and the address table hold (they grow with the peak number of
+  // blocks; EmptyCache gives back what no live block needs).
+  size_t MetadataBytes() const;
   // Completes pending stream-use frees whose events have fired. Malloc does this on its own.
   void ProcessEvents();
   // Stream errors seen while processing events since the last call (see StreamError).

@@ -140,6 +140,12 @@ size_t DeviceAllocator::LargestFreeBlock() const {
   return LargestFreeBlockLocked();
 }
 
+size_t DeviceAllocator::MetadataBytes() const {
+  std::lock_guard lock(mutex_);
+  return arena_.capacity() * BlockArena::kBytesPerId +
+         allocated_.capacity() * AddressTable::kBytesPerSlot;
+}
+
 size_t DeviceAllocator::LargestFreeBlockLocked() const {
   // O(streams), not a walk over every free block: PyTorch asks (cacheInfo) when it sizes cudnn
   // workspaces.

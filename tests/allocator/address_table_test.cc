@@ -61,6 +61,22 @@ TEST(AddressTable, GrowsAndKeepsEveryEntry) {
 
 // The table keeps 32 bits of each address's hash, not the address: two addresses whose hashes
 // share those bits must still be told apart by the key the caller confirms with.
+TEST(AddressTable, ShrinksToFitWhatIsLeftAndKeepsIt) {
+  AddressTable table;
+  Keys keys;
+  const size_t empty = table.capacity();
+  for (uint64_t n = 0; n < 10000; ++n) table.Insert(Address(n), keys.Add(Address(n)));
+  const size_t grown = table.capacity();
+  for (uint64_t n = 10; n < 10000; ++n) ASSERT_NE(table.Take(Address(n), keys.Of()), 0u);
+  table.ShrinkToFit();
+  EXPECT_EQ(table.capacity(), empty) << "10 entries fit the smallest table";
+  EXPECT_LT(table.capacity(), grown);
+  for (uint64_t n = 0; n < 10; ++n) EXPECT_EQ(table.Find(Address(n), keys.Of()), n + 1);
+  for (uint64_t n = 10; n < 10000; ++n) EXPECT_EQ(table.Find(Address(n), keys.Of()), 0u);
+  table.Insert(Address(10), 11);  // and it takes entries again
+  EXPECT_EQ(table.Find(Address(10), keys.Of()), 11u);
+}
+
 TEST(AddressTable, AddressesWithTheSameHashTagAreToldApart) {
   // The hash is (address >> 9) * C mod 2^64 and the tag its top 32 bits, so two addresses whose
   // (address >> 9) differ by d share a tag when d * C mod 2^64 is a small number m: d = m / C.

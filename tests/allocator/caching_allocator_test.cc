@@ -1,4 +1,5 @@
 // Core caching behaviour: pools, best fit, split and merge, cache reuse, limits, empty_cache.
+#include <algorithm>
 #include <cstring>
 #include <set>
 #include <vector>
@@ -112,6 +113,42 @@ TEST_F(CachingAllocatorTest, EmptyCacheReleasesOnlyWholeFreeSegments) {
   allocator_->Free(keep);
   allocator_->EmptyCache();
   EXPECT_EQ(backend_->bytes_in_use(0), 0u);
+  EXPECT_EQ(Stat("reserved_bytes.all.current"), 0);
+}
+
+// A burst of blocks grows the allocator's own host bookkeeping; empty_cache gives back what the
+// blocks still alive do not need, and those blocks stay intact.
+TEST_F(CachingAllocatorTest, EmptyCacheGivesBackBookkeepingABurstGrew) {
+  const size_t idle = allocator_->MetadataBytes(0);
+  std::vector<void*> burst;
+  for (int i = 0; i < 20000; ++i) burst.push_back(Alloc(512));
+  const size_t grown = allocator_->MetadataBytes(0);
+  EXPECT_GT(grown, 20000u * 32) << "one 32-byte Block per live allocation at least";
+  // Keep the first few (the lowest ids) and one from the middle of the burst.
+  std::vector<void*> kept(burst.begin(), burst.begin() + 8);
+  kept.push_back(burst[5000]);
+  for (void* p : burst) {
+    if (std::find(kept.begin(), kept.end(), p) == kept.end()) allocator_->Free(p);
+  }
+  for (size_t i = 0; i < kept.size(); ++i) std::memset(kept[i], static_cast<int>(i + 1), 512);
+  allocator_->EmptyCache();
+  const size_t trimmed = allocator_->MetadataBytes(0);
+  EXPECT_LT(trimmed, grown / 2) << "the tail of the id space no live block uses went back";
+  // What the kept blocks are is unchanged: their size, their bytes, and that they free cleanly.
+  for (size_t i = 0; i < kept.size(); ++i) {
+    const auto info = allocator_->Lookup(kept[i]);
+    ASSERT_TRUE(info.has_value());
+    EXPECT_EQ(info->requested, 512u);
+    EXPECT_EQ(static_cast<const unsigned char*>(kept[i])[511], i + 1);
+  }
+  // The allocator goes on working: a second burst, then everything back.
+  std::vector<void*> again;
+  for (int i = 0; i < 20000; ++i) again.push_back(Alloc(512));
+  EXPECT_EQ(std::set<void*>(again.begin(), again.end()).size(), again.size());
+  for (void* p : again) allocator_->Free(p);
+  for (void* p : kept) allocator_->Free(p);
+  allocator_->EmptyCache();
+  EXPECT_EQ(allocator_->MetadataBytes(0), idle);
   EXPECT_EQ(Stat("reserved_bytes.all.current"), 0);
 }
 
