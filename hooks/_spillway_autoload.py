@@ -33,10 +33,10 @@ def _split(lib, text):
     return ours.value.decode(), theirs.value.decode()
 
 
-def _honoured_items(pytorch_items):
+def _items(text):
     # Item-level split on top-level commas (lists in brackets stay whole).
     items, depth, current = [], 0, ""
-    for ch in pytorch_items:
+    for ch in text:
         depth += ch == "["
         depth -= ch == "]"
         if ch == "," and depth == 0:
@@ -45,15 +45,43 @@ def _honoured_items(pytorch_items):
         else:
             current += ch
     items.append(current)
-    return [i.strip() for i in items if i.split(":", 1)[0].strip() in _HONOURED]
+    return [i.strip() for i in items]
+
+
+def _honoured_items(pytorch_items):
+    return [i for i in _items(pytorch_items) if i.split(":", 1)[0].strip() in _HONOURED]
+
+
+def _without_ours(lib, text):
+    """`text` less every item Spillway's split would take, those with a bad value included (the
+    whole-string split refuses those, and PyTorch would reject them all the same)."""
+    kept = []
+    for item in _items(text):
+        try:
+            ours, _ = _split(lib, item)
+        except ValueError:
+            ours = item
+        if item and not ours:
+            kept.append(item)
+    return ",".join(kept)
+
+
+def _set_or_unset(var, value):
+    if value is None:
+        os.environ.pop(var, None)
+    else:
+        os.environ[var] = value
 
 
 _pending = None  # the configuration string to install once torch is importable
+# SPILLWAY_ALLOC_CONF as the user set it (None: unset), put back if the install fails.
+_user_conf = None
 
 
 def _run():
-    global _pending
-    wanted = "SPILLWAY_ALLOC_CONF" in os.environ or any(
+    global _pending, _user_conf
+    # Set but empty (or blank) is the same as unset: no request, so no attempt at device=cuda.
+    wanted = os.environ.get("SPILLWAY_ALLOC_CONF", "").strip() != "" or any(
         "spillway" in os.environ.get(v, "") for v in _PYTORCH_VARS)
     if not wanted:
         return
@@ -65,7 +93,13 @@ def _run():
         value = os.environ.get(var)
         if not value:
             continue
-        ours, theirs = _split(lib, value)
+        try:
+            ours, theirs = _split(lib, value)
+        except ValueError:
+            # A bad value of a Spillway key: Spillway is not loaded, and PyTorch must not see
+            # Spillway's keys either (it rejects every one, backend:spillway included).
+            _set_or_unset(var, _without_ours(lib, value) or None)
+            raise
         if not ours:
             continue
         if theirs:
@@ -74,12 +108,16 @@ def _run():
             del os.environ[var]
         parts.append(ours)
         parts.extend(_honoured_items(theirs))
-    own = os.environ.get("SPILLWAY_ALLOC_CONF", "")
+    _user_conf = os.environ.get("SPILLWAY_ALLOC_CONF")
+    own = (_user_conf or "").strip()
     if own:
         parts.append(own)
     conf = ",".join(p for p in parts if p)
     # The process allocator of libspillway_alloc.so reads SPILLWAY_ALLOC_CONF on first use: give
-    # it the merged string, so every entry point sees the same configuration.
+    # it the merged string, so every entry point sees the same configuration. If the install
+    # fails, finish_pending puts the user's value back. The Spillway keys taken out of
+    # PYTORCH_*_ALLOC_CONF stay out even then: PyTorch rejects every one of them (an unknown key,
+    # or "Unknown allocator backend" for backend:spillway), and only PyTorch's keys remain there.
     os.environ["SPILLWAY_ALLOC_CONF"] = conf
     _pending = conf
     if "torch" in sys.modules:
@@ -125,8 +163,14 @@ def finish_pending():
     import spillway
     from spillway import _C
 
-    info = _C.describe_config(conf)
-    spillway.install(device=info["device"], conf=conf)
+    try:
+        info = _C.describe_config(conf)
+        spillway.install(device=info["device"], conf=conf)
+    except Exception:
+        # Not loaded: the process runs on PyTorch's allocator, and child processes inherit
+        # SPILLWAY_ALLOC_CONF as the user set it, not the merged string.
+        _set_or_unset("SPILLWAY_ALLOC_CONF", _user_conf)
+        raise
     if info["offload"] is not None and info["offload"] != "off":
         _C.configure_offload(info["offload"], info["budget_bytes"], info["budget_fraction"],
                              info["min_bytes"], info["prefetch_bytes"])

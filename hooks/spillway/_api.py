@@ -12,6 +12,11 @@ _LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libspillway_all
 _POLICIES = ("off", "eager", "auto")
 _MIB = 1 << 20
 _lock = threading.Lock()
+_INT64_MAX = (1 << 63) - 1
+# The bound of the configuration key history_entries (allocator/config.cc): the history ring of
+# each device is allocated up front, max_entries entries of it.
+_MAX_HISTORY_ENTRIES = 10_000_000
+_MIN_FRACTION = 2.0**-20
 
 
 def _check_bytes(name, value, allow_none=True, positive=False):
@@ -22,6 +27,40 @@ def _check_bytes(name, value, allow_none=True, positive=False):
     if value < 0 or (positive and value == 0):
         kind = "positive" if positive else "non-negative"
         raise ValueError(f"{name} must be a {kind} number of bytes, got {value}")
+    if value > _INT64_MAX:
+        # The C++ layer takes 64-bit sizes; past that pybind11 answers only "incompatible
+        # function arguments".
+        raise ValueError(f"{name} must be at most 2**63 - 1 bytes, got {value}")
+
+
+def _check_bool(name, value):
+    """`value` as a bool: Python's bool, numpy's, or a one-element torch bool tensor. Anything
+    else (a string such as "no" is truthy) is refused rather than read by its truth value."""
+    if isinstance(value, bool):
+        return value
+    kind = type(value)
+    if kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"):
+        return bool(value)
+    if isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.numel() == 1:
+        return bool(value)
+    raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def _conf_values(conf, key):
+    """The values `key` has in the `key:value,...` string `conf` (top-level items; lists in
+    brackets stay whole), stripped as the configuration parser strips them."""
+    items, depth, current = [], 0, ""
+    for ch in conf or "":
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += ch
+    items.append(current)
+    pairs = [item.split(":", 1) for item in items if ":" in item]
+    return [v.strip() for k, v in pairs if k.strip() == key]
 
 
 def install(device="cuda", conf=None, capacity_bytes=None):
@@ -46,6 +85,13 @@ def install(device="cuda", conf=None, capacity_bytes=None):
             raise ValueError("capacity_bytes applies to device='sim' only")
         if capacity_bytes % _MIB:
             raise ValueError(f"capacity_bytes must be a multiple of 1 MiB ({_MIB}), got {capacity_bytes}")
+        # As for a conflicting device key (the C++ install refuses it): two capacities are an
+        # error, not a silent preference. A value that is no number is left to the parser.
+        for value in _conf_values(conf, "capacity_mb"):
+            if value.isascii() and value.isdigit() and int(value) * _MIB != capacity_bytes:
+                raise ValueError(
+                    f"spillway.install(capacity_bytes={capacity_bytes}) conflicts with the "
+                    f"configuration's capacity_mb key in \"{conf}\" ({int(value)} MiB)")
         parts.append(f"capacity_mb:{capacity_bytes // _MIB}")
     text = ",".join(parts)
     with _lock:
@@ -152,6 +198,15 @@ def set_per_process_memory_fraction(fraction, device=0):
     torch.cuda.set_per_process_memory_fraction); 0 removes the limit."""
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
         raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
+    # PyTorch accepts any fraction in (0, 1] and a tiny one means a tiny limit (every allocation
+    # fails). Spillway's limit is fraction * total rounded down, and a limit of 0 bytes means no
+    # limit: a tiny fraction would silently lift the limit instead. Below 2**-20 (one byte per
+    # MiB of device memory) the limit can round to 0 (the smallest simulated device is 1 MiB), so
+    # such a fraction is refused; no sensible limit is that small.
+    if not (fraction == 0 or _MIN_FRACTION <= fraction <= 1):
+        raise ValueError(
+            f"fraction must be 0 (no limit) or a number from 2**-20 ({_MIN_FRACTION:.3g}) to 1, "
+            f"got {fraction!r}")
     _require_installed("set_per_process_memory_fraction")
     _C.set_memory_fraction(float(fraction), _device_index(device))
 
@@ -163,8 +218,13 @@ def synchronize():
 
 
 def budget_bytes(device=0):
+    """The "auto" policy's budget on `device`, in bytes."""
     _require_installed("budget_bytes")
-    return _C.budget_bytes(_device_index(device))
+    index = _device_index(device)
+    # A configured budget is the same on every device, so the engine answers it without looking
+    # at the index: check the index with a call that does.
+    _C.memory_stats(index)
+    return _C.budget_bytes(index)
 
 
 def _check_tensor(what, tensor):
@@ -185,8 +245,9 @@ def release(tensor, force=False):
     """Frees the storage's device memory now (the storage becomes 0 bytes) and reports who else
     held it: {'freed_bytes', 'other_holders', 'keepers'}."""
     _check_tensor("release", tensor)
+    force = _check_bool("force", force)
     _require_installed("release")
-    return _C.release(tensor, bool(force))
+    return _C.release(tensor, force)
 
 
 def residency(tensor):
@@ -199,11 +260,16 @@ def residency(tensor):
 def record_history(enabled=True, max_entries=100000, stacks="python"):
     """Records allocator events, like torch.cuda.memory._record_memory_history. stacks="python"
     attaches the allocating Python frames (on threads that hold the GIL); "none" records none."""
+    enabled = _check_bool("enabled", enabled)
     if stacks not in ("python", "none", None):
         raise ValueError(f"stacks must be 'python' or 'none', got {stacks!r}")
-    _check_bytes("max_entries", max_entries, allow_none=False, positive=True)
+    if (isinstance(max_entries, bool) or not isinstance(max_entries, int)
+            or not 1 <= max_entries <= _MAX_HISTORY_ENTRIES):
+        raise ValueError(
+            f"max_entries must be a positive int number of entries, at most "
+            f"{_MAX_HISTORY_ENTRIES} (as for the history_entries key), got {max_entries!r}")
     _require_installed("record_history")
-    _C.record_history(bool(enabled), max_entries, stacks or "none")
+    _C.record_history(enabled, max_entries, stacks or "none")
 
 
 def snapshot():
@@ -218,6 +284,9 @@ def dump_snapshot(path):
     """Pickles snapshot() to `path` (protocol 4: pytorch.org/memory_viz reads no newer)."""
     import pickle
 
+    if not isinstance(path, (str, os.PathLike)):
+        # open() would take an int as a file descriptor and write there.
+        raise ValueError(f"path must be a str or os.PathLike, got {path!r}")
     data = snapshot()
     with open(path, "wb") as f:
         pickle.dump(data, f, protocol=4)
@@ -225,8 +294,8 @@ def dump_snapshot(path):
 
 
 def pluggable_allocator():
-    """A torch.cuda.memory.CUDAPluggableAllocator over libspillway_alloc.so (also usable with
-    torch.cuda.MemPool). PyTorch cannot report statistics or snapshots on this route."""
+    """A torch.cuda.memory.CUDAPluggableAllocator over libspillway_alloc.so. PyTorch cannot
+    report statistics or snapshots on this route."""
     if torch.version.cuda is None:
         raise RuntimeError("pluggable_allocator: this torch has no CUDA")
     return torch.cuda.memory.CUDAPluggableAllocator(_LIB, "spillway_malloc", "spillway_free")
@@ -237,4 +306,6 @@ def _device_index(device):
         device = device.index or 0
     if isinstance(device, bool) or not isinstance(device, int):
         raise ValueError(f"device must be an int index or torch.device, got {device!r}")
+    if not 0 <= device <= 0x7FFFFFFF:
+        raise ValueError(f"device index {device} is out of range: expected a non-negative index")
     return device

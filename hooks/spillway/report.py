@@ -2,10 +2,12 @@
 
     python -m spillway.report SNAPSHOT [SNAPSHOT2] [-o OUT.png]
 
-Prints the largest blocks with their keepers, the storages held alive only by views that span a
-part of them, and the storages released while other tensors still held them; writes a PNG
-timeline of device memory (allocated, reserved, spilled to host) over the recorded history. Given
-two snapshots (say, without and with offload) it plots both on one figure.
+Prints the largest blocks with their keepers, the storages kept alive only by tensors saved for
+backward whose views reach less than the whole storage (views you hold yourself are not seen:
+such a storage has other holders and is not listed), and the storages released while other
+tensors still held them; writes a PNG timeline of device memory (allocated, reserved, spilled to
+host) over the recorded history. Given two snapshots (say, without and with offload) it plots both
+on one figure.
 """
 
 import argparse
@@ -93,7 +95,8 @@ def summary(snapshot, top=10):
         lines.append(f"  {b['size'] / MIB:9.2f} MiB  {b['state']:<20} {who}{where}")
 
     lines.append("")
-    lines.append("Storages held alive only by views (the rest of the storage is pinned by them):")
+    lines.append("Storages held alive only by views saved for backward (the rest of the storage is "
+                 "pinned by them):")
     found = False
     for e in section.get("entries", []):
         if e["external_holders"] or not e["keepers"]:
@@ -112,8 +115,11 @@ def summary(snapshot, top=10):
     lines.append("Storages released while other tensors still held them:")
     releases = [r for r in section.get("releases", []) if r["other_holders"] > 0]
     for r in releases:
-        lines.append(f"  {r['freed_bytes'] / MIB:.2f} MiB freed; {r['other_holders']} other "
-                     f"holder(s): {_keepers_text([k for k in r['keepers'] if k['kind'] == 'saved'], r['other_holders'])}")
+        line = f"  {r['freed_bytes'] / MIB:.2f} MiB freed; {r['other_holders']} other holder(s)"
+        saved = [k for k in r["keepers"] if k["kind"] == "saved"]
+        if saved:
+            line += f"; {_keepers_text(saved, 0)}"
+        lines.append(line)
     if not releases:
         lines.append("  none")
 
@@ -163,7 +169,19 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if len(args.snapshots) > 2:
         parser.error("give one or two snapshots")
-    snaps = [load(p) for p in args.snapshots]
+    snaps = []
+    for path in args.snapshots:
+        try:
+            snap = load(path)
+        except Exception as error:  # noqa: BLE001 - missing, unreadable, not a pickle, ...
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+            print(f"{parser.prog}: error: cannot read snapshot {path}: {reason}", file=sys.stderr)
+            return 2
+        if not isinstance(snap, dict) or "segments" not in snap or "device_traces" not in snap:
+            print(f"{parser.prog}: error: {path} is not a memory snapshot (write one with "
+                  "spillway.dump_snapshot)", file=sys.stderr)
+            return 2
+        snaps.append(snap)
     for path, snap in zip(args.snapshots, snaps):
         print(f"== {path}")
         print(summary(snap))
