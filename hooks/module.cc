@@ -62,6 +62,16 @@ void ConfigureOffload(const std::string& policy, int64_t budget_bytes, double bu
   runtime.engine().SetConfig(config);
 }
 
+py::dict OffloadConfigDict(const sw::OffloadConfig& c) {
+  py::dict d;
+  d["policy"] = std::string(sw::OffloadPolicyName(c.policy));
+  d["budget_bytes"] = c.budget_bytes;
+  d["budget_fraction"] = c.budget_fraction;
+  d["min_bytes"] = c.min_bytes;
+  d["prefetch_bytes"] = c.prefetch_bytes;
+  return d;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -99,16 +109,9 @@ PYBIND11_MODULE(_C, m) {
     }
     return std::string();
   });
-  m.def("offload_defaults", [] {
-    const sw::OffloadConfig c = tl::Runtime::Get().config().offload;
-    py::dict d;
-    d["policy"] = std::string(sw::OffloadPolicyName(c.policy));
-    d["budget_bytes"] = c.budget_bytes;
-    d["budget_fraction"] = c.budget_fraction;
-    d["min_bytes"] = c.min_bytes;
-    d["prefetch_bytes"] = c.prefetch_bytes;
-    return d;
-  });
+  // The configured offload settings, and the ones in force now (an offload block sets them).
+  m.def("offload_defaults", [] { return OffloadConfigDict(tl::Runtime::Get().config().offload); });
+  m.def("offload_config", [] { return OffloadConfigDict(tl::Runtime::Get().engine().config()); });
   m.def("configure_offload", &ConfigureOffload);
   // What the environment hook needs to know of a configuration string, from the one parser:
   // the device, and the offload policy if the string names one (None otherwise).

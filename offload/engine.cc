@@ -125,6 +125,9 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
     ++stats_.num_entries;
   }
   Entry& e = *it->second;
+  // Each save follows the block it was saved in: a storage saved in an "off" block (say, nested in
+  // an "eager" one) stays on the device after that block ends, too.
+  if (config_.policy == OffloadPolicy::kOff) e.saved_under_off = true;
   const KeeperId id = next_keeper_++;
   e.keepers.emplace(id, std::move(view));
   keepers_[id] = &e;
@@ -266,8 +269,8 @@ void OffloadEngine::Refresh(Entry& e, bool wait) {
 }
 
 bool OffloadEngine::Eligible(const Entry& e) const {
-  return e.state == Residency::kResident && !e.acquiring && e.storage->data() != nullptr &&
-         e.storage->external_holders() == 0;
+  return e.state == Residency::kResident && !e.acquiring && !e.saved_under_off &&
+         e.storage->data() != nullptr && e.storage->external_holders() == 0;
 }
 
 bool OffloadEngine::Spill(Entry& e) {

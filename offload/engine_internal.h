@@ -58,6 +58,7 @@ struct OffloadEngine::Entry {
   bool prefetched = false;          // reloaded ahead of use, not yet acquired
   bool acquiring = false;           // inside Acquire: its own prefetch must not spill it
   bool policy_refused = false;      // a spill was refused for a reason that will not change
+  bool saved_under_off = false;     // saved in an "off" block: never spilled, whatever comes later
   int64_t stall_since_us = 0;       // consumer is waiting since then (0 = nobody waits)
   std::string failure;              // why the bytes are lost (state kFailed)
   int64_t spill_count = 0;

@@ -143,38 +143,59 @@ def _unpack(packed):
     return packed
 
 
+# How many offload blocks are open, and whether saves outside them are offloaded too (the
+# environment hook's process-wide form): either way a block that ends gives the settings back.
+_open_blocks = 0
+_process_wide = False
+
+
 @contextlib.contextmanager
-def offload(policy="auto", budget_bytes=None, min_bytes=1 << 20, prefetch_bytes=None):
+def offload(policy=None, budget_bytes=None, min_bytes=None, prefetch_bytes=None):
     """Offloads tensors saved for backward inside the block.
 
     policy: "auto" (before an allocation would take allocated bytes past a budget, spill the
         oldest saves to make room), "eager" (spill everything eligible), or "off" (register,
-        never spill).
+        never spill); default from the configuration (its `offload` key, "auto" unless set).
     budget_bytes: the "auto" budget; default: the configured fraction (80%) of the device limit.
         Held when enough can be spilled; what cannot be (parameters, gradients, unsaved tensors,
         the newest prefetch_bytes of saves, reloads in use) can carry the peak past it.
-    min_bytes: storages smaller than this are never spilled.
+    min_bytes: storages smaller than this are never spilled; default from the configuration
+        (`offload_min_kb`, 1 MiB).
     prefetch_bytes: how far ahead backward reloads; default from the configuration (256 MiB).
+
+    Blocks nest: each tensor follows the block it was saved in (one saved in an "off" block stays
+    on the device), and when an inner block ends the enclosing block's settings come back. The
+    outermost block's settings stay in force after it, for the backward pass.
     """
-    if policy not in _POLICIES:
+    global _open_blocks
+    if policy is not None and policy not in _POLICIES:
         raise ValueError(f"policy must be one of {', '.join(_POLICIES)}, got {policy!r}")
     _check_bytes("budget_bytes", budget_bytes, positive=True)
-    _check_bytes("min_bytes", min_bytes, allow_none=False)
+    _check_bytes("min_bytes", min_bytes)
     _check_bytes("prefetch_bytes", prefetch_bytes)
     _require_installed("offload")
     defaults = _C.offload_defaults()
+    enclosing = _C.offload_config() if (_open_blocks > 0 or _process_wide) else None
     _C.configure_offload(
-        policy,
+        policy if policy is not None else defaults["policy"],
         budget_bytes if budget_bytes is not None else defaults["budget_bytes"],
         defaults["budget_fraction"],
-        min_bytes,
+        min_bytes if min_bytes is not None else defaults["min_bytes"],
         prefetch_bytes if prefetch_bytes is not None else defaults["prefetch_bytes"],
     )
-    with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
-        try:
-            yield
-        finally:
-            _C.forward_end()
+    _open_blocks += 1
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+            try:
+                yield
+            finally:
+                _C.forward_end()
+    finally:
+        _open_blocks -= 1
+        if enclosing is not None:
+            _C.configure_offload(enclosing["policy"], enclosing["budget_bytes"],
+                                 enclosing["budget_fraction"], enclosing["min_bytes"],
+                                 enclosing["prefetch_bytes"])
 
 
 def memory_stats(device=0):

@@ -17,6 +17,26 @@ TEST_F(OffloadPolicyTest, OffloadOffNeverSpills) {
   EXPECT_EQ(engine_->ReleaseMemory(0, 4 * kMiB), 0u);
 }
 
+// Each save follows the block it was saved in: an "off" block nested in an "eager" one keeps its
+// saves on the device after the outer policy comes back, rescue included; the outer block's own
+// saves are spilled as before.
+TEST_F(OffloadPolicyTest, OffloadSavesMadeUnderOffStayWhenEagerComesBack) {
+  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  auto outer = NewStorage(2 * kMiB, 1);
+  Save(outer);
+  engine_->SetConfig(Policy(OffloadPolicy::kOff));
+  auto inner = NewStorage(2 * kMiB, 2);
+  Save(inner);
+  engine_->SetConfig(Policy(OffloadPolicy::kEager));
+  outer->holders = 0;
+  inner->holders = 0;
+  engine_->ForwardEnd();
+  EXPECT_NE(StateOf(outer), Residency::kResident);
+  EXPECT_EQ(StateOf(inner), Residency::kResident) << "a save made under \"off\" was spilled";
+  EXPECT_EQ(engine_->ReleaseMemory(0, 64 * kMiB), 0u) << "the rescue spilled it";
+  EXPECT_EQ(StateOf(inner), Residency::kResident);
+}
+
 TEST_F(OffloadPolicyTest, OffloadEagerSpillsEveryEligibleEntryByForwardEnd) {
   Make(Policy(OffloadPolicy::kEager, kMiB), 256 * kMiB, std::chrono::microseconds{0});
   std::vector<std::shared_ptr<TestStorage>> saved;

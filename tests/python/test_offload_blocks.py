@@ -1,0 +1,91 @@
+"""Offload blocks: defaults from the configuration, and nesting (each save follows the block it
+was saved in; an inner block gives the enclosing block's settings back when it ends)."""
+
+import pytest
+import torch
+
+import spillway
+import test_environment
+from conftest import run_script, stat
+
+
+def saves_one(x):
+    """A forward that saves one storage of x's size that only autograd holds (exp's output)."""
+    return (x * 2).exp().sum()
+
+
+def spills_during(fn):
+    before = stat("spillway.num_spills")
+    fn()
+    return stat("spillway.num_spills") - before
+
+
+def test_an_inner_block_gives_the_outer_policy_back():
+    x = torch.randn(1024, 1024, requires_grad=True)
+    losses = []
+
+    def outer_off():
+        with spillway.offload("off"):
+            with spillway.offload("eager"):
+                pass
+            losses.append(saves_one(x))  # under "off" again
+
+    def outer_eager():
+        with spillway.offload("eager"):
+            with spillway.offload("off"):
+                pass
+            losses.append(saves_one(x))  # under "eager" again
+
+    assert spills_during(outer_off) == 0
+    assert spills_during(outer_eager) == 1
+    for loss in losses:
+        loss.backward()
+
+
+def test_saves_made_in_an_inner_off_block_stay_on_the_device():
+    x = torch.randn(1024, 1024, requires_grad=True)
+    expected = 2 * (x.detach() * 2).exp() * 2  # d/dx of both terms below
+
+    def forward():
+        with spillway.offload("eager"):
+            with spillway.offload("off"):
+                kept = saves_one(x)
+            spilled = saves_one(x)
+        (kept + spilled).backward()
+
+    assert spills_during(forward) == 1  # only the outer block's save
+    assert torch.equal(x.grad, expected)
+
+
+def test_a_block_without_arguments_takes_the_configured_policy_and_minimum():
+    out = run_script("""
+        import torch, spillway
+        spillway.install("sim", capacity_bytes=256 << 20, conf="offload:eager,offload_min_kb:4096")
+        x = torch.randn(512, 1024, requires_grad=True)   # 2 MiB: below offload_min_kb
+        y = torch.randn(2048, 1024, requires_grad=True)  # 8 MiB
+        with spillway.offload():
+            loss = (x * 2).exp().sum() + (y * 2).exp().sum()
+        print("spills", spillway.memory_stats()["spillway.num_spills"])
+        loss.backward()
+    """)
+    assert out.returncode == 0, out.stderr
+    assert "spills 1" in out.stdout, out.stdout
+
+
+@pytest.mark.skipif(test_environment.SITE is None, reason="SPILLWAY_PYTHON_SITE not set")
+def test_a_block_under_the_environment_hook_gives_process_wide_offload_back():
+    out = test_environment.run_script("""
+        import torch, spillway
+        x = torch.randn(1024, 1024, requires_grad=True)
+        with spillway.offload("off"):
+            a = (x * 2).exp().sum()
+        before = spillway.memory_stats()["spillway.num_spills"]
+        b = (x * 3).exp().sum()  # outside any block: process-wide eager offload again
+        c = (x * 4).exp().sum()  # (eager spills b at this save)
+        print("spills after the block", spillway.memory_stats()["spillway.num_spills"] - before)
+        (a + b + c).backward()
+    """, env={"PYTHONUSERBASE": test_environment.SITE,
+              "SPILLWAY_ALLOC_CONF": "device:sim,capacity_mb:256,offload:eager,offload_min_kb:0"})
+    assert out.returncode == 0, out.stderr
+    assert "spills after the block" in out.stdout, out.stdout
+    assert "spills after the block 0" not in out.stdout, out.stdout
