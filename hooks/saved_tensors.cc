@@ -75,6 +75,11 @@ at::Tensor SavedHandle::Unpack() const {
   OffloadEngine& engine = runtime.engine();
   auto storage = std::dynamic_pointer_cast<TorchStorage>(engine.StorageOf(id_));
   TORCH_CHECK(storage != nullptr, "spillway: saved tensor ", Describe(), " was already released");
+  // A storage freed under the saved view (spillway.release(force=True), or resized to nothing)
+  // has no bytes to give: building the view would allocate fresh, uninitialized memory for it.
+  TORCH_CHECK(storage->nbytes() > 0, "spillway: the saved tensor ", Describe(),
+              " cannot be used in backward: its storage was freed (spillway.release(force=True), "
+              "or resized to 0 bytes) after it was saved");
   // Build the view first: it holds the storage from here on, so nothing (a prefetch's
   // out-of-memory rescue, another thread's budget check) can spill it between the reload and
   // the caller's first use. The view reads the storage's data pointer only when used.

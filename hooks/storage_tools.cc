@@ -79,6 +79,12 @@ py::dict Release(const at::Tensor& tensor, bool force) {
   const int64_t other_holders = static_cast<int64_t>(storage.use_count()) - ours - 1;
   const size_t freed = storage.data_ptr().get() != nullptr ? storage.nbytes() : 0;
   c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  // Forced past saved views: backward must fail at their unpack rather than read freed memory,
+  // and nothing may reload the storage (its host copy, if any, goes now).
+  if (entry) {
+    Runtime::Get().engine().MarkReleased(
+        impl, "its storage was freed by spillway.release(force=True) before backward read it");
+  }
   impl->set_data_ptr_noswap(c10::DataPtr(nullptr, storage.device()));
   impl->set_nbytes(0);
   py::dict out;

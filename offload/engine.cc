@@ -169,6 +169,24 @@ void OffloadEngine::RemoveKeeper(KeeperId id) {
 }
 
 void OffloadEngine::Drop(Entry& e) {
+  DiscardCopies(e);
+  if (e.copy_done != nullptr) Device(e.device).spare.push_back(e.copy_done);
+  by_seq_.erase(e.seq);
+  --stats_.num_entries;
+  entries_.erase(e.key);  // destroys `e`, releasing the engine's hold on the storage
+}
+
+void OffloadEngine::MarkReleased(const void* key, const std::string& why) {
+  EngineLock lock(mutex_);
+  const auto it = entries_.find(key);
+  if (it == entries_.end()) return;
+  Entry& e = *it->second;
+  DiscardCopies(e);
+  e.state = Residency::kFailed;
+  e.failure = why;
+}
+
+void OffloadEngine::DiscardCopies(Entry& e) {
   Refresh(e);
   if (e.prefetched) prefetched_bytes_ -= e.nbytes;
   if (e.state == Residency::kSpilling || e.state == Residency::kSpilled) {
@@ -189,10 +207,7 @@ void OffloadEngine::Drop(Entry& e) {
     backend_.stream_wait_event(e.device, e.block_stream.handle, e.copy_done);
   }
   ReleaseHost(e, last_use);
-  if (e.copy_done != nullptr) Device(e.device).spare.push_back(e.copy_done);
-  by_seq_.erase(e.seq);
-  --stats_.num_entries;
-  entries_.erase(e.key);  // destroys `e`, releasing the engine's hold on the storage
+  e.prefetched = false;
 }
 
 void OffloadEngine::FreeHostBuffer(int device, void* host, std::optional<StreamRef> last_use) {

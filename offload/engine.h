@@ -104,6 +104,10 @@ class OffloadEngine {
   void WaitResident(KeeperId id);
   // The saved view is gone. The last keeper drops the entry and any host copy.
   void RemoveKeeper(KeeperId id);
+  // The program freed the storage behind `key` while views saved of it remain (a forced
+  // release): any host copy goes, nothing reloads it, and Acquire fails naming `why`. Call it
+  // before the storage lets go of its device memory: a reload still writing it is waited for.
+  void MarkReleased(const void* key, const std::string& why);
   // Makes the storage resident and orders `consumer` after its reload; returns its device
   // pointer. Throws spillway::Error when the bytes cannot be brought back (the entry stays
   // spilled when that is possible, so a later call may succeed).
@@ -165,6 +169,8 @@ class OffloadEngine {
   void Reload(Entry& e, StreamRef consumer);
   void Prefetch(uint64_t before_seq, StreamRef consumer);
   void Drop(Entry& e);
+  // Gives up the entry's host copy and any copy in flight (the storage keeps its device memory).
+  void DiscardCopies(Entry& e);
   void ReleaseHost(Entry& e, std::optional<StreamRef> last_use);
   size_t SpillOldest(int device, size_t target_allocated, bool include_window);
   // Spills oldest saves until `incoming_bytes` more fit under the budget (less a hysteresis).

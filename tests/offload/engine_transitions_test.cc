@@ -67,6 +67,38 @@ TEST_F(OffloadTransitions, DropWhileSpilledFreesHostCopy) {
   EXPECT_EQ(EngineStat("spilled_bytes.current"), 0);
 }
 
+// A storage freed by its program while saved views remain (a forced release): the host copy
+// goes at once, nothing reloads it (a prefetch included), and its unpack fails naming why.
+TEST_F(OffloadTransitions, ReleasedStorageIsNeverBroughtBack) {
+  auto released = NewStorage(2 * kMiB, 2);
+  auto later = NewStorage(2 * kMiB, 3);  // saved after it: unpacked first, prefetching it
+  const KeeperId released_id = Save(released);
+  const KeeperId later_id = Save(later);
+  released->holders = 0;
+  later->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(released), Residency::kSpilled);
+  engine_->MarkReleased(released.get(), "freed by the test");
+  EXPECT_EQ(StateOf(released), Residency::kFailed);
+  EXPECT_EQ(EngineStat("host_bytes.current"), int64_t{2 * kMiB}) << "only the other copy is left";
+  EXPECT_EQ(EngineStat("spilled_bytes.current"), int64_t{2 * kMiB});
+  const int64_t reloads = EngineStat("num_reloads");
+  engine_->Acquire(later_id, compute_);  // prefetches what was saved before it
+  engine_->Synchronize();
+  EXPECT_EQ(EngineStat("num_reloads"), reloads + 1) << "the released storage was reloaded";
+  EXPECT_EQ(released->data(), nullptr);
+  try {
+    engine_->Acquire(released_id, compute_);
+    ADD_FAILURE() << "a released storage was handed out";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("freed by the test"), std::string::npos) << e.what();
+  }
+  engine_->RemoveKeeper(released_id);
+  engine_->RemoveKeeper(later_id);
+  EXPECT_EQ(EngineStat("host_bytes.current"), 0);
+}
+
 TEST_F(OffloadTransitions, DropWhileReloadingLeaksNothing) {
   Make(Policy(OffloadPolicy::kEager), size_t{256} << 20, std::chrono::microseconds{3000});
   auto s = NewStorage(4 * kMiB, 3);

@@ -61,6 +61,19 @@ def test_release_refuses_a_storage_saved_for_backward():
     assert torch.equal(x.grad, x.detach().exp())
 
 
+def test_backward_after_a_forced_release_fails_clearly():
+    """release(force=True) frees what backward needs: its unpack must fail, naming the release,
+    not read freed (or freshly allocated) memory. (The spilled case is in the engine's tests: a
+    storage the caller can pass in has a holder, so it is never spilled.)"""
+    a = torch.randn(1024, 1024, requires_grad=True)
+    with spillway.offload("off"):
+        h = a * 2
+        y = h.sin()  # saves h
+    spillway.release(h, force=True)
+    with pytest.raises(RuntimeError, match=r"release\(force=True\)"):
+        y.sum().backward()
+
+
 def test_bad_arguments_are_value_errors():
     with pytest.raises(ValueError, match="expects a torch.Tensor"):
         spillway.keepers([1, 2, 3])
