@@ -114,11 +114,11 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
   }
   if (block == kNoBlock) {
     GarbageCollect(segment_size);
-    block = AllocSegment(kind, stream, segment_size);
+    block = AllocSegment(kind, stream, rounded);
   }
   // The out-of-memory ladder, cheapest step first: what the allocator can do on its own, then
   // what the registered holders (the offload engine, whose spills cost copies) can give back.
-  if (block == kNoBlock) block = Reclaim(kind, stream, rounded, segment_size);
+  if (block == kNoBlock) block = Reclaim(kind, stream, rounded);
   if (block == kNoBlock && callbacks_) {
     // Ask the holders to release memory. They free through this allocator, so the lock must not
     // be held; then everything the allocator can do on its own, once more.
@@ -133,16 +133,15 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
       lock.lock();
       ProcessEventsLocked();
       block = FindFree(kind, stream, rounded);
-      if (block == kNoBlock) block = AllocSegment(kind, stream, segment_size);
-      if (block == kNoBlock) block = Reclaim(kind, stream, rounded, segment_size);
+      if (block == kNoBlock) block = AllocSegment(kind, stream, rounded);
+      if (block == kNoBlock) block = Reclaim(kind, stream, rounded);
     }
   }
   if (block == kNoBlock) ThrowOutOfMemory(size, rounded);
   return UseBlock(block, rounded, size, std::move(context));
 }
 
-BlockId DeviceAllocator::Reclaim(PoolKind kind, StreamRef stream, size_t rounded,
-                                 size_t segment_size) {
+BlockId DeviceAllocator::Reclaim(PoolKind kind, StreamRef stream, size_t rounded) {
   // Wait for every pending stream use and retry: a block that was waiting may serve now. Only if
   // none does, give all wholly free cached segments back to the backend and ask it again.
   // (PyTorch's allocator releases first, which turns a block that just became usable into a
@@ -153,7 +152,7 @@ BlockId DeviceAllocator::Reclaim(PoolKind kind, StreamRef stream, size_t rounded
   BlockId block = FindFree(kind, stream, rounded);
   if (block == kNoBlock) {
     ReleaseCachedSegments(std::numeric_limits<size_t>::max());
-    block = AllocSegment(kind, stream, segment_size);
+    block = AllocSegment(kind, stream, rounded);
   }
   // Beyond PyTorch's allocator: a small request that still has nowhere to go takes free space in
   // a large-pool segment of its stream (split by the large pool's rules) rather than fail, or
@@ -181,7 +180,23 @@ BlockId DeviceAllocator::FindFree(PoolKind kind, StreamRef stream, size_t size) 
   });
 }
 
-BlockId DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t segment_size) {
+BlockId DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t rounded) {
+  // PyTorch's segment size first (a 20 MiB segment for a 1-10 MiB request leaves room for the
+  // next few); when that does not fit under the limit or on the device, a segment of just the
+  // request's size. At the edge of memory the spare room is a luxury that would fail a request
+  // the device can hold (PyTorch's allocator fails it).
+  const size_t full = SizePolicy::SegmentSize(rounded);
+  BlockId block = NewSegment(kind, stream, full);
+  // (Not when its one block would be an oversize block for a request below max_split_size: such
+  // a block is never split, nor handed to such a request.)
+  const size_t least = SizePolicy::SmallestSegmentSize(rounded);
+  if (block == kNoBlock && least < full && policy_.AcceptsBlock(least, rounded)) {
+    block = NewSegment(kind, stream, least);
+  }
+  return block;
+}
+
+BlockId DeviceAllocator::NewSegment(PoolKind kind, StreamRef stream, size_t segment_size) {
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
   if (limit_ != 0 && reserved + segment_size > limit_) return kNoBlock;
   absl::StatusOr<void*> memory = backend_.device_malloc(device_, segment_size);

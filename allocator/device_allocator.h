@@ -138,13 +138,16 @@ class DeviceAllocator {
 
   FreeIndex& pool(PoolKind kind) { return pools_[static_cast<int>(kind)]; }
   BlockId FindFree(PoolKind kind, StreamRef stream, size_t size);
-  BlockId AllocSegment(PoolKind kind, StreamRef stream, size_t segment_size);
+  // A new segment for a `rounded`-byte request: PyTorch's size, or the least that holds the
+  // request when that does not fit. kNoBlock when neither does.
+  BlockId AllocSegment(PoolKind kind, StreamRef stream, size_t rounded);
+  BlockId NewSegment(PoolKind kind, StreamRef stream, size_t segment_size);
   void* UseBlock(BlockId block, size_t rounded, size_t requested, TraceContext context);
   void FreeBlock(BlockId block);
   bool ReleaseSegment(BlockId block);
   // The out-of-memory ladder's own steps (no callbacks): the wait for pending stream uses, the
   // release of cached segments, a small request in the large pool. kNoBlock if none serves.
-  BlockId Reclaim(PoolKind kind, StreamRef stream, size_t rounded, size_t segment_size);
+  BlockId Reclaim(PoolKind kind, StreamRef stream, size_t rounded);
   // Adds or removes a free block in its pool's index, keyed by its current size and address.
   void IndexInsert(BlockId block);
   void IndexErase(BlockId block);

@@ -44,6 +44,10 @@ size_t SizePolicy::SegmentSize(size_t rounded) {
   return RoundUp(rounded, kRoundLarge);
 }
 
+size_t SizePolicy::SmallestSegmentSize(size_t rounded) {
+  return rounded <= kSmallSize ? kSmallBuffer : RoundUp(rounded, kRoundLarge);
+}
+
 bool SizePolicy::ShouldSplit(PoolKind pool, size_t block_size, size_t size) const {
   const size_t remaining = block_size - size;
   if (pool == PoolKind::kSmall) return remaining >= kMinBlockSize;

@@ -31,8 +31,11 @@ class SizePolicy {
   static PoolKind PoolFor(size_t rounded) {
     return rounded <= kSmallSize ? PoolKind::kSmall : PoolKind::kLarge;
   }
-  // Bytes to ask the backend for when no cached block fits.
+  // Bytes to ask the backend for when no cached block fits (PyTorch's sizes: a 2 MiB segment
+  // for small requests, 20 MiB for 1-10 MiB ones, so the next few come from the same segment).
   static size_t SegmentSize(size_t rounded);
+  // The least segment that holds the request: what to ask for when SegmentSize does not fit.
+  static size_t SmallestSegmentSize(size_t rounded);
   // Whether carving `size` bytes out of a free block of `block_size` leaves a remainder worth
   // keeping as its own free block.
   bool ShouldSplit(PoolKind pool, size_t block_size, size_t size) const;

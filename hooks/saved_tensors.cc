@@ -92,6 +92,11 @@ at::Tensor SavedHandle::Unpack() const {
   try {
     engine.Acquire(id_, consumer);
     if (runtime.host_consumers()) engine.WaitResident(id_);
+  } catch (const OutOfMemoryError& e) {
+    // Out of memory stays out of memory (torch.cuda.OutOfMemoryError), so that programs that
+    // catch it to shrink their batch see it as such.
+    C10_THROW_ERROR(OutOfMemoryError, "spillway could not bring back the saved tensor " +
+                                          Describe() + ": " + e.what());
   } catch (const Error& e) {
     TORCH_CHECK(false, "spillway could not bring back the saved tensor ", Describe(), ": ",
                 e.what());

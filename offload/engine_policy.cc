@@ -19,10 +19,10 @@ void OffloadEngine::Prefetch(uint64_t before_seq, StreamRef consumer) {
     Entry& e = *it->second;
     Refresh(e);
     if (e.state != Residency::kSpilled && e.state != Residency::kSpilling) continue;
-    if (config_.policy == OffloadPolicy::kAuto &&
-        AllocatedBytes(e.device) + e.nbytes > budget_bytes(e.device)) {
-      break;  // never prefetch past the budget
-    }
+    // Never prefetch past the budget (under "eager" too: the configured fraction of the device
+    // limit), so backward's own allocations keep their headroom: a prefetch is a guess, and
+    // reloads that fill the device would make backward run out of memory, or spill them again.
+    if (AllocatedBytes(e.device) + e.nbytes > budget_bytes(e.device)) break;
     try {
       PolicyScope scope(in_policy_);
       Reload(e, consumer);

@@ -50,6 +50,28 @@ TEST_F(CachingAllocatorTest, MidSizeRequestCarvesTwentyMiBSegment) {
   allocator_->Free(q);
 }
 
+// A 20 MiB segment for a 1-10 MiB request is PyTorch's size, chosen for the room it leaves. When
+// it does not fit (under a limit, or on the device), a segment of just the request's size does:
+// the request is served while the device can hold it. (PyTorch's allocator fails it.)
+TEST_F(CachingAllocatorTest, MidSizeRequestTakesItsOwnSizeWhenTwentyMiBDoNotFit) {
+  AllocatorConfig config;
+  config.memory_limit_bytes = 20 * kMiB;
+  Reset(config);
+  void* small = Alloc(100);  // a 2 MiB small-pool segment: 18 MiB left under the limit
+  void* mid = Alloc(2 * kMiB);
+  EXPECT_EQ(Stat("reserved_bytes.large_pool.current"), int64_t{2 << 20});
+  allocator_->Free(mid);
+  allocator_->Free(small);
+
+  Reset(AllocatorConfig{}, 30 * kMiB);  // no limit, a 30 MiB device
+  std::vector<void*> blocks;
+  for (int i = 0; i < 15; ++i) blocks.push_back(Alloc(2 * kMiB));  // 30 MiB in all
+  EXPECT_EQ(Stat("reserved_bytes.all.current"), int64_t{30 << 20});
+  EXPECT_EQ(Stat("segment.large_pool.current"), 6) << "one of 20 MiB, then five of 2 MiB";
+  EXPECT_THROW(Alloc(2 * kMiB), OutOfMemoryError);
+  for (void* p : blocks) allocator_->Free(p);
+}
+
 TEST_F(CachingAllocatorTest, FreeCoalescesWithBothNeighbours) {
   void* a = Alloc(kMiB / 2);
   void* b = Alloc(kMiB / 2);

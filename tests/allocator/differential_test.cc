@@ -203,6 +203,10 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
     if (best != nullptr && policy_.AcceptsBlock(best->size, rounded)) predicted = best->address;
     std::set<uintptr_t> old_segments;
     for (const SegmentSnapshot& seg : last_.segments) old_segments.insert(seg.address);
+    // Whether PyTorch's segment size fits now (a cached-segment release can only add room).
+    const size_t reserved_before = static_cast<size_t>(before.reserved_bytes.all().current);
+    const bool full_segment_fits = (limit_ == 0 || reserved_before + segment_size <= limit_) &&
+                                   backend_->mem_info(0).free_bytes >= segment_size;
 
     void* p = nullptr;
     try {
@@ -244,8 +248,13 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
     ++model_.allocations_total;
 
     // Verified after the snapshot check, which tells whether pending frees were released.
-    malloc_check_ = MallocCheck{
-        addr, rounded, segment_size, predicted, std::move(old_segments), before.num_alloc_retries};
+    malloc_check_ = MallocCheck{addr,
+                                rounded,
+                                segment_size,
+                                full_segment_fits,
+                                predicted,
+                                std::move(old_segments),
+                                before.num_alloc_retries};
     return true;
   }
 
@@ -274,12 +283,16 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
         }
       }
     }
-    // ...and the backend really had no room (or the limit forbade it).
+    // ...and the backend really had no room (or the limit forbade it) for the least segment the
+    // allocator may take: the one that holds just the request, unless its block would break the
+    // oversize rule.
+    const size_t smallest = SizePolicy::SmallestSegmentSize(rounded);
+    const size_t least = policy_.AcceptsBlock(smallest, rounded) ? smallest : segment_size;
     const size_t reserved = static_cast<size_t>(after.reserved_bytes.all().current);
-    const bool over_limit = limit_ != 0 && reserved + segment_size > limit_;
-    const bool no_room = backend_->mem_info(0).free_bytes < segment_size;
+    const bool over_limit = limit_ != 0 && reserved + least > limit_;
+    const bool no_room = backend_->mem_info(0).free_bytes < least;
     EXPECT_TRUE(over_limit || no_room)
-        << "OOM for a " << segment_size << "-byte segment with " << backend_->mem_info(0).free_bytes
+        << "OOM for a " << least << "-byte segment with " << backend_->mem_info(0).free_bytes
         << " bytes free on the device, reserved " << reserved << ", limit " << limit_;
   }
 
@@ -449,7 +462,13 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
       ++counts_.new_segments;
       EXPECT_EQ(m.addr, seg->address) << "expected a fresh segment";
       EXPECT_EQ(m.old_segments.count(seg->address), 0u) << "expected a fresh segment";
-      EXPECT_EQ(seg->total_size, m.segment_size);
+      // PyTorch's segment size, or, only when that did not fit, the least that holds the request.
+      if (seg->total_size != m.segment_size) {
+        EXPECT_EQ(seg->total_size, SizePolicy::SmallestSegmentSize(m.rounded));
+        EXPECT_FALSE(m.full_segment_fits)
+            << "a smaller segment although " << m.segment_size << " bytes fit";
+        ++counts_.least_segments;
+      }
     }
   }
 
@@ -522,6 +541,7 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
     uintptr_t addr;
     size_t rounded;
     size_t segment_size;
+    bool full_segment_fits;
     std::optional<uintptr_t> predicted;
     std::set<uintptr_t> old_segments;
     int64_t retries_before;
@@ -529,7 +549,7 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
   struct Counts {
     int mallocs = 0, frees = 0, pending_frees = 0, pending_released = 0, ooms = 0, copies = 0,
         syncs = 0, reused = 0, new_segments = 0, empty_caches = 0, drains = 0, limits = 0,
-        cross_pool = 0;
+        cross_pool = 0, least_segments = 0;
   };
 
   std::mt19937_64 rng_;
@@ -559,10 +579,10 @@ TEST_P(AllocatorDifferentialTest, RandomOperationsMatchReferenceModel) {
   std::printf(
       "[%s seed %llu] mallocs %d frees %d (pending %d, released by events %d) ooms %d copies %d "
       "syncs %d best-fit reuses %d new segments %d empty_cache %d drains %d limits %d "
-      "small-in-large %d\n",
+      "small-in-large %d least segments %d\n",
       GetParam().name, static_cast<unsigned long long>(GetParam().seed), c.mallocs, c.frees,
       c.pending_frees, c.pending_released, c.ooms, c.copies, c.syncs, c.reused, c.new_segments,
-      c.empty_caches, c.drains, c.limits, c.cross_pool);
+      c.empty_caches, c.drains, c.limits, c.cross_pool, c.least_segments);
   // The run must have exercised what it claims to check.
   EXPECT_GT(c.mallocs, kStepsPerSeed / 5);
   EXPECT_GT(c.pending_frees, kStepsPerSeed / 100);

@@ -152,6 +152,39 @@ TEST_F(OffloadPolicyTest, OffloadWithoutRescueTheSameAllocationFails) {
   EXPECT_THROW(allocator_->Malloc(30 * kMiB, 0, compute_), OutOfMemoryError);
 }
 
+// A prefetch is a guess: under every policy it stops at the budget (80% of the device by
+// default), leaving backward's own allocations their headroom, however large the window.
+TEST_F(OffloadPolicyTest, OffloadPrefetchStopsAtTheBudgetUnderEagerToo) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = size_t{1} << 30;  // far more than the device
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::vector<std::shared_ptr<TestStorage>> saved;
+  std::vector<KeeperId> ids;
+  for (uint32_t i = 0; i < 8; ++i) {  // 64 MiB of saves in all
+    saved.push_back(NewStorage(8 * kMiB, i));
+    ids.push_back(Save(saved.back()));
+    saved.back()->holders = 0;
+  }
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(AllocStat("allocated_bytes.all.current"), 0);
+  engine_->BackwardStart(compute_);
+  engine_->Synchronize();
+  const auto budget = static_cast<int64_t>(engine_->budget_bytes(0));
+  EXPECT_EQ(budget, static_cast<int64_t>(0.8 * 64 * kMiB));
+  EXPECT_LE(AllocStat("allocated_bytes.all.current"), budget);
+  EXPECT_GT(AllocStat("allocated_bytes.all.current"), budget - 8 * static_cast<int64_t>(kMiB))
+      << "the prefetch stopped short of the budget";
+  // The rest comes back on demand, oldest last, intact.
+  for (int i = 7; i >= 0; --i) {
+    const auto k = static_cast<size_t>(i);
+    void* ptr = engine_->Acquire(ids[k], compute_);
+    EXPECT_EQ(ReadOn(compute_, ptr, 8 * kMiB), Pattern(8 * kMiB, static_cast<uint32_t>(i))) << i;
+    engine_->RemoveKeeper(ids[k]);
+    saved[k]->drop_device_memory();  // backward is done with it
+  }
+}
+
 TEST_F(OffloadPolicyTest, OffloadPrefetchReloadsAheadInReverseSaveOrder) {
   OffloadConfig config = Policy(OffloadPolicy::kEager);
   config.prefetch_bytes = 4 * kMiB;

@@ -80,3 +80,49 @@ def test_a_bad_value_is_reported_and_leaves_torch_alone():
     assert result.returncode == 0
     assert result.stdout.strip() == "3.0"
     assert "bad value 'sometimes' for key 'offload'" in result.stderr
+
+
+ENV_SCRIPT = """
+    import os, sys
+    import torch, spillway
+    print("installed", spillway.installed())
+    for var in ("SPILLWAY_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        print(var, repr(os.environ.get(var)))
+"""
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_variable_is_no_request(value):
+    result = run_script(ENV_SCRIPT, env={"PYTHONUSERBASE": SITE, "SPILLWAY_ALLOC_CONF": value})
+    assert result.returncode == 0, result.stderr
+    assert "spillway:" not in result.stderr, result.stderr  # no attempt at device=cuda
+    out = lines_of(result)
+    assert out["installed"] == "None"
+    assert out["SPILLWAY_ALLOC_CONF"] == repr(value)
+
+
+def test_a_failed_install_gives_spillway_alloc_conf_back():
+    # The request comes from PYTORCH_CUDA_ALLOC_CONF, the bad value from SPILLWAY_ALLOC_CONF: the
+    # merged string must not stay behind (child processes inherit it), PyTorch's key stays where
+    # it was and Spillway's (which PyTorch rejects) stay out.
+    env = {"PYTHONUSERBASE": SITE, "SPILLWAY_ALLOC_CONF": "device:sim,offload:sometimes",
+           "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,backend:spillway,capacity_mb:64"}
+    result = run_script(ENV_SCRIPT, env=env)
+    assert "bad value 'sometimes' for key 'offload'" in result.stderr
+    out = lines_of(result)
+    assert out["installed"] == "None"
+    assert out["SPILLWAY_ALLOC_CONF"] == repr("device:sim,offload:sometimes")
+    assert out["PYTORCH_CUDA_ALLOC_CONF"] == repr("max_split_size_mb:64")
+
+
+def test_a_bad_value_in_pytorchs_variable_still_leaves_pytorch_only_its_keys():
+    # PyTorch rejects backend:spillway ("Unknown allocator backend") and every other Spillway
+    # key: left in place, a bad Spillway value would stop the script at CUDA initialization.
+    env = {"PYTHONUSERBASE": SITE,
+           "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,backend:spillway,offload:sometimes"}
+    result = run_script(ENV_SCRIPT, env=env)
+    assert "bad value 'sometimes' for key 'offload'" in result.stderr
+    out = lines_of(result)
+    assert out["installed"] == "None"
+    assert out["SPILLWAY_ALLOC_CONF"] == "None"
+    assert out["PYTORCH_CUDA_ALLOC_CONF"] == repr("max_split_size_mb:64")

@@ -118,3 +118,43 @@ def test_unknown_fault_is_a_value_error():
             print("ValueError:", error)
     """)
     assert "ValueError: sim_inject_fault: unknown fault 'gremlins'" in out
+
+
+def test_a_reload_that_cannot_fit_raises_out_of_memory_and_a_later_one_works():
+    """A spilled tensor must come back while the program holds the whole device: the error is
+    PyTorch's out-of-memory error (which programs catch to shrink a batch), naming the tensor;
+    the tensor stays spilled, and once memory is free backward gets it back intact."""
+    out = run("""
+        ref = reference()
+        torch.manual_seed(1)
+        w.grad = None
+        with spillway.offload("eager", min_bytes=0, prefetch_bytes=0):
+            h = torch.tanh(torch.randn(256, 256) @ w)   # tanh saves h: 256 KiB
+            node = h.grad_fn
+            loss = (h * 3).sum()
+            del h
+        spillway.synchronize()
+        print("spilled:", spillway.memory_stats()["spillway.spilled_bytes.current"] > 0)
+        filler = []
+        for size in (1 << 20, 64 << 10, 512):
+            try:
+                while True:
+                    filler.append(torch.empty(size, dtype=torch.uint8))
+            except torch.cuda.OutOfMemoryError:
+                pass
+        try:
+            node._saved_result  # unpacks h: the reload
+            print("no error")
+        except RuntimeError as error:
+            # torch 1.13 calls Python unpack hooks through pybind11, which turns any exception
+            # into a RuntimeError named after it; newer torch keeps torch.cuda.OutOfMemoryError.
+            oom = (isinstance(error, torch.cuda.OutOfMemoryError) or
+                   str(error).startswith("OutOfMemoryError: "))
+            print("oom names the tensor:", oom and "saved tensor Float[256, 256]" in str(error))
+        del filler
+        loss.backward()
+        print("gradient equal:", torch.equal(w.grad, ref))
+    """)
+    assert "spilled: True" in out, out
+    assert "oom names the tensor: True" in out, out
+    assert "gradient equal: True" in out, out

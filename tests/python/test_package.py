@@ -96,3 +96,130 @@ def test_cuda_allocator_adapter_needs_a_cuda_install():
         spillway._C.install_cuda_allocator()
     if torch.version.cuda is None:
         assert spillway._C.has_cuda_allocator() is False
+
+
+# Review of the entry points' argument checks: each was accepted (or failed deep inside) before.
+
+def test_a_negative_device_index_is_refused_by_every_helper():
+    for call in (spillway.memory_stats, spillway.reset_peak_stats, spillway.budget_bytes,
+                 lambda d: spillway.set_per_process_memory_fraction(0, d)):
+        with pytest.raises(ValueError, match="device index -2 is out of range"):
+            call(-2)
+
+
+def test_budget_bytes_checks_the_device_index_when_a_budget_is_configured():
+    # A configured budget is the same on every device: the engine answered it for any index.
+    result = run_script("""
+        import spillway
+        spillway.install("sim", conf="offload_budget_mb:64", capacity_bytes=256 << 20)
+        print("budget", spillway.budget_bytes(0))
+        for device in (-2, 3):
+            try:
+                print("accepted", device, spillway.budget_bytes(device))
+            except ValueError as error:
+                print("refused", device, error)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert f"budget {64 << 20}" in result.stdout
+    assert "refused -2 device index -2 is out of range" in result.stdout, result.stdout
+    assert "refused 3 device index 3 is out of range" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("fraction", [1e-9, 2.0**-21, -0.5, 1.5, float("nan"), float("inf")])
+def test_a_fraction_that_gives_no_usable_limit_is_refused(fraction):
+    # 1e-9 of the 2 GiB device rounds to a 2-byte limit here; of a smaller device to 0 bytes,
+    # which would have meant no limit at all.
+    with pytest.raises(ValueError,
+                       match=r"fraction must be 0 \(no limit\) or a number from 2\*\*-20"):
+        spillway.set_per_process_memory_fraction(fraction)
+
+
+def test_a_tiny_fraction_does_not_silently_lift_the_limit():
+    result = run_script("""
+        import torch, spillway
+        spillway.install("sim", capacity_bytes=1 << 20)
+        try:
+            spillway.set_per_process_memory_fraction(1e-9)
+            print("accepted")
+            torch.empty(256 << 10, dtype=torch.uint8)
+            print("allocated past the limit")
+        except ValueError as error:
+            print("refused", error)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "refused fraction must be 0 (no limit)" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("call", [
+    lambda: spillway.record_history("no"),
+    lambda: spillway.record_history(1),
+    lambda: spillway.release(torch.zeros(4), force="no"),
+    lambda: spillway.release(torch.zeros(4), force=0),
+])
+def test_booleans_must_be_booleans(call):
+    with pytest.raises(ValueError, match=r"(enabled|force) must be True or False, got"):
+        call()
+
+
+def test_release_with_a_string_force_frees_nothing():
+    t = torch.ones(1000)
+    with pytest.raises(ValueError, match="force must be True or False"):
+        spillway.release(t, force="no")
+    assert t.sum().item() == 1000
+
+
+def test_numpy_and_torch_booleans_are_booleans():
+    import numpy
+
+    spillway.record_history(numpy.bool_(True), max_entries=10)
+    spillway.record_history(torch.tensor(False))
+    t = torch.ones(10)
+    assert spillway.release(t, force=numpy.bool_(False))["freed_bytes"] == 40
+
+
+@pytest.mark.parametrize("max_entries", [0, -1, 10_000_001, 1 << 62, 2.5, True])
+def test_max_entries_is_a_bounded_number_of_entries(max_entries):
+    with pytest.raises(ValueError, match=r"max_entries must be a positive int number of entries, "
+                                         r"at most 10000000 \(as for the history_entries key\)"):
+        spillway.record_history(True, max_entries=max_entries)
+
+
+def test_byte_counts_past_64_bits_are_a_clear_error():
+    with pytest.raises(ValueError, match=r"budget_bytes must be at most 2\*\*63 - 1 bytes, got"):
+        with spillway.offload(budget_bytes=1 << 70):
+            pass
+    with pytest.raises(ValueError, match=r"prefetch_bytes must be at most 2\*\*63 - 1 bytes"):
+        with spillway.offload(prefetch_bytes=1 << 64):
+            pass
+
+
+def test_dump_snapshot_wants_a_path(tmp_path):
+    # An int was taken by open() as a file descriptor, and the snapshot written there.
+    with open(tmp_path / "by_descriptor", "wb") as f:
+        for path in (f.fileno(), None, 3.5):
+            with pytest.raises(ValueError, match="path must be a str or os.PathLike, got"):
+                spillway.dump_snapshot(path)
+    assert (tmp_path / "by_descriptor").stat().st_size == 0
+
+
+def test_dump_snapshot_takes_a_pathlike(tmp_path):
+    path = tmp_path / "snap.pickle"
+    assert spillway.dump_snapshot(path) == path
+    assert path.stat().st_size > 0
+
+
+def test_a_capacity_that_conflicts_with_the_configuration_is_refused():
+    result = run_script("""
+        import spillway
+        for conf, capacity in (("capacity_mb:30", 256 << 20), ("capacity_mb: 64", 64 << 20)):
+            try:
+                spillway.install("sim", conf=conf, capacity_bytes=capacity)
+                print("installed", conf, spillway.memory_stats()["reserved_bytes.all.current"])
+            except ValueError as error:
+                print("refused", conf, error)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert ('refused capacity_mb:30 spillway.install(capacity_bytes=268435456) conflicts with the '
+            'configuration\'s capacity_mb key in "capacity_mb:30" (30 MiB)') in result.stdout, \
+        result.stdout
+    assert "installed capacity_mb: 64" in result.stdout, result.stdout

@@ -89,3 +89,41 @@ def test_summary_names_storages_released_while_others_held_them():
     section = text.split("Storages released while other tensors still held them:")[1]
     assert "1.14 MiB freed; 2 other holder(s)" in section, section
     del keep
+
+
+def test_a_release_line_names_the_other_holders_once():
+    snap = {"segments": [], "device_traces": [], "spillway": {"releases": [
+        {"freed_bytes": 1 << 20, "other_holders": 2,
+         "keepers": [{"kind": "saved", "shape": (4,), "stride": (1,), "offset": 0},
+                     {"kind": "external", "count": 3}]},
+        {"freed_bytes": 2 << 20, "other_holders": 1,
+         "keepers": [{"kind": "external", "count": 2}]}]}}
+    lines = report.summary(snap).split("Storages released while other tensors still held them:")[1]
+    lines = [line for line in lines.splitlines() if line.strip()]
+    assert lines[0] == "  1.00 MiB freed; 2 other holder(s); saved (4,) stride (1,) offset 0"
+    assert lines[1] == "  2.00 MiB freed; 1 other holder(s)"
+
+
+def run_report(*args):
+    return subprocess.run([sys.executable, "-m", "spillway.report", *map(str, args)],
+                          env={**os.environ, "PYTHONPATH": BUILD_PY}, capture_output=True,
+                          text=True)
+
+
+def test_command_line_names_a_file_it_cannot_read(tmp_path):
+    not_pickle = tmp_path / "notes.txt"
+    not_pickle.write_text("hello\n")
+    not_snapshot = tmp_path / "list.pickle"
+    import pickle
+    not_snapshot.write_bytes(pickle.dumps([1, 2, 3]))
+    for path, reason in ((tmp_path / "missing.pickle", "No such file or directory"),
+                         (not_pickle, "cannot read snapshot"),
+                         (not_snapshot, "is not a memory snapshot")):
+        result = run_report(path, "-o", tmp_path / "out.png")
+        assert result.returncode == 2, (path, result.stderr)
+        assert "Traceback" not in result.stderr, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, result.stderr
+        assert lines[0].startswith("python -m spillway.report: error: ") and str(path) in lines[0]
+        assert reason in lines[0], lines[0]
+    assert not (tmp_path / "out.png").exists()
