@@ -159,7 +159,11 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("reset_accumulated_stats",
         [](int device) { tl::Runtime::Get().allocator().ResetAccumulatedStats(device); });
-  m.def("empty_cache", [] { tl::Runtime::Get().allocator().EmptyCache(); });
+  m.def("empty_cache", [] {
+    tl::Runtime& runtime = tl::Runtime::Get();
+    runtime.allocator().EmptyCache();
+    if (sw::OffloadEngine* engine = runtime.engine_if_created()) engine->TrimHostMemory();
+  });
   m.def("synchronize", [] {
     if (sw::OffloadEngine* engine = tl::Runtime::Get().engine_if_created()) engine->Synchronize();
   });

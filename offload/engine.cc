@@ -431,6 +431,20 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
   return e.storage->data();
 }
 
+void OffloadEngine::TrimHostMemory() {
+  EngineLock lock(mutex_);
+  for (const auto& dc : devices_) {
+    if (dc == nullptr) continue;
+    try {
+      dc->pool.Trim();
+    } catch (const BackendError& error) {
+      // The pool polls the copy streams' events: an earlier copy's failure can surface here.
+      FailInFlight(dc->device, Residency::kSpilling, error.what());
+      FailInFlight(dc->device, Residency::kReloading, error.what());
+    }
+  }
+}
+
 void OffloadEngine::Synchronize() {
   EngineLock lock(mutex_);
   // Entry by entry first, so that a failed copy marks its own entry failed (see ReleaseMemory);

@@ -124,6 +124,9 @@ class OffloadEngine {
   size_t ReleaseMemory(int device, size_t bytes);
   // Waits for every copy in flight and settles the states.
   void Synchronize();
+  // Gives every wholly free pinned host chunk back (what spilled data no longer uses): part of
+  // spillway.empty_cache().
+  void TrimHostMemory();
 
   void SetConfig(const OffloadConfig& config);
   OffloadConfig config() const;

@@ -99,6 +99,35 @@ TEST_F(OffloadTransitions, ReleasedStorageIsNeverBroughtBack) {
   EXPECT_EQ(EngineStat("host_bytes.current"), 0);
 }
 
+TEST_F(OffloadTransitions, TrimHostMemoryGivesBackChunksNoSpillUses) {
+  auto kept = NewStorage(2 * kMiB, 1);
+  auto dropped = NewStorage(2 * kMiB, 2);
+  Save(kept);
+  const KeeperId dropped_id = Save(dropped);
+  kept->holders = 0;
+  dropped->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  engine_->RemoveKeeper(dropped_id);
+  EXPECT_GT(EngineStat("host_reserved_bytes"), 0);
+  engine_->TrimHostMemory();
+  EXPECT_GT(EngineStat("host_reserved_bytes"), 0) << "the chunk holding a spilled copy went back";
+  EXPECT_EQ(EngineStat("host_bytes.current"), int64_t{2 * kMiB});
+  EXPECT_EQ(StateOf(kept), Residency::kSpilled);
+  kept.reset();
+  dropped.reset();
+  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});  // a fresh engine
+  auto only = NewStorage(2 * kMiB, 3);
+  const KeeperId only_id = Save(only);
+  only->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  engine_->RemoveKeeper(only_id);
+  EXPECT_GT(EngineStat("host_reserved_bytes"), 0) << "the pool caches its chunk";
+  engine_->TrimHostMemory();
+  EXPECT_EQ(EngineStat("host_reserved_bytes"), 0);
+}
+
 TEST_F(OffloadTransitions, DropWhileReloadingLeaksNothing) {
   Make(Policy(OffloadPolicy::kEager), size_t{256} << 20, std::chrono::microseconds{3000});
   auto s = NewStorage(4 * kMiB, 3);

@@ -89,3 +89,22 @@ def test_a_block_under_the_environment_hook_gives_process_wide_offload_back():
     assert out.returncode == 0, out.stderr
     assert "spills after the block" in out.stdout, out.stdout
     assert "spills after the block 0" not in out.stdout, out.stdout
+
+
+def test_empty_cache_gives_pinned_host_memory_back():
+    out = run_script("""
+        import torch, spillway
+        spillway.install("sim", capacity_bytes=256 << 20)
+        x = torch.randn(1024, 1024, requires_grad=True)
+        with spillway.offload("eager"):
+            loss = (x * 2).exp().sum()
+        spillway.synchronize()
+        loss.backward()
+        stats = spillway.memory_stats()
+        print("spilled", stats["spillway.num_spills"], "cached", stats["spillway.host_reserved_bytes"] > 0)
+        spillway.empty_cache()
+        print("after", spillway.memory_stats()["spillway.host_reserved_bytes"])
+    """)
+    assert out.returncode == 0, out.stderr
+    assert "spilled 1 cached True" in out.stdout, out.stdout
+    assert "after 0" in out.stdout, out.stdout
