@@ -352,10 +352,12 @@ constexpr IntegerRule kSimDevicesRule{1, 16, 1, "an integer from 1 to 16"};
 constexpr IntegerRule kMemoryLimitRule{0, kSizeMax, kMiB,
                                        "a non-negative integer (MiB; 0 = no limit)"};
 constexpr IntegerRule kHistoryRule{1, 10'000'000, 1, "an integer from 1 to 10000000"};
-constexpr IntegerRule kBudgetRule{1, kSizeMax, kMiB, "a positive integer (MiB)"};
-constexpr IntegerRule kMinKbRule{0, kSizeMax, kKiB, "a non-negative integer (KiB)"};
-constexpr IntegerRule kPrefetchRule{0, kSizeMax, kMiB, "a non-negative integer (MiB)"};
-constexpr IntegerRule kHostLimitRule{0, kSizeMax, kMiB,
+// The offload settings go back and forth to Python as signed 64-bit byte counts.
+constexpr size_t kInt64Max = std::numeric_limits<int64_t>::max();
+constexpr IntegerRule kBudgetRule{1, kInt64Max / kMiB, kMiB, "a positive integer (MiB)"};
+constexpr IntegerRule kMinKbRule{0, kInt64Max / kKiB, kKiB, "a non-negative integer (KiB)"};
+constexpr IntegerRule kPrefetchRule{0, kInt64Max / kMiB, kMiB, "a non-negative integer (MiB)"};
+constexpr IntegerRule kHostLimitRule{0, kInt64Max / kMiB, kMiB,
                                      "a non-negative integer (MiB; 0 = no limit)"};
 
 absl::Status SetMaxSplitSize(std::string_view key, std::string_view value, Config& config) {

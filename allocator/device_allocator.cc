@@ -82,8 +82,10 @@ size_t DeviceAllocator::TotalMemory() const {
 size_t DeviceAllocator::ComputeLimit() const {
   size_t limit = memory_limit_bytes_;
   if (memory_fraction_ > 0.0) {
-    const auto from_fraction =
-        static_cast<size_t>(memory_fraction_ * static_cast<double>(TotalMemory()));
+    // At least one byte: a fraction so small that it rounds to nothing is a limit nothing fits
+    // under, not "no limit".
+    const auto from_fraction = std::max<size_t>(
+        1, static_cast<size_t>(memory_fraction_ * static_cast<double>(TotalMemory())));
     limit = limit == 0 ? from_fraction : std::min(limit, from_fraction);
   }
   return limit;
@@ -185,14 +187,19 @@ BlockId DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t ro
   // next few); when that does not fit under the limit or on the device, a segment of just the
   // request's size. At the edge of memory the spare room is a luxury that would fail a request
   // the device can hold (PyTorch's allocator fails it).
-  const size_t full = SizePolicy::SegmentSize(rounded);
-  BlockId block = NewSegment(kind, stream, full);
   // (Not when its one block would be an oversize block for a request below max_split_size: such
-  // a block is never split, nor handed to such a request.)
+  // a block is never split, nor handed to such a request.) Under a watermark, the request's own
+  // size comes first when only it stays under the watermark.
+  const size_t full = SizePolicy::SegmentSize(rounded);
   const size_t least = SizePolicy::SmallestSegmentSize(rounded);
-  if (block == kNoBlock && least < full && policy_.AcceptsBlock(least, rounded)) {
-    block = NewSegment(kind, stream, least);
+  const bool least_allowed = least < full && policy_.AcceptsBlock(least, rounded);
+  const auto reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
+  const size_t watermark = watermark_.load(std::memory_order_relaxed);
+  if (least_allowed && reserved + full > watermark && reserved + least <= watermark) {
+    return NewSegment(kind, stream, least);  // (if it fails, the larger one fails too)
   }
+  BlockId block = NewSegment(kind, stream, full);
+  if (block == kNoBlock && least_allowed) block = NewSegment(kind, stream, least);
   return block;
 }
 

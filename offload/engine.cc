@@ -189,6 +189,7 @@ void OffloadEngine::MarkReleased(const void* key, const std::string& why) {
 void OffloadEngine::DiscardCopies(Entry& e) {
   Refresh(e);
   if (e.prefetched) prefetched_bytes_ -= e.nbytes;
+  e.prefetched = false;
   if (e.state == Residency::kSpilling || e.state == Residency::kSpilled) {
     stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
     Note(OffloadEvent::Kind::kDropSpilled, e);
@@ -204,10 +205,18 @@ void OffloadEngine::DiscardCopies(Entry& e) {
     // prefetch nobody acquired). Once freed, the block is reused in the order of the stream it
     // was allocated on, so that stream waits for the copy. (Not a stream use of the engine's
     // copy stream: the storage may outlive the engine and its streams.)
-    backend_.stream_wait_event(e.device, e.block_stream.handle, e.copy_done);
+    try {
+      backend_.stream_wait_event(e.device, e.block_stream.handle, e.copy_done);
+    } catch (const BackendError&) {
+      // The stream cannot be ordered after the copy: wait for the copy here instead.
+      try {
+        backend_.synchronize_event(e.device, e.copy_done);
+      } catch (const BackendError& error) {
+        FailInFlight(e.device, Residency::kReloading, error.what());
+      }
+    }
   }
   ReleaseHost(e, last_use);
-  e.prefetched = false;
 }
 
 void OffloadEngine::FreeHostBuffer(int device, void* host, std::optional<StreamRef> last_use) {

@@ -59,8 +59,9 @@ struct OffloadEngine::Entry {
   bool acquiring = false;           // inside Acquire: its own prefetch must not spill it
   bool policy_refused = false;      // a spill was refused for a reason that will not change
   bool saved_under_off = false;     // saved in an "off" block: never spilled, whatever comes later
-  int64_t stall_since_us = 0;       // consumer is waiting since then (0 = nobody waits)
-  std::string failure;              // why the bytes are lost (state kFailed)
+  // policy_refused covers saves below the min_bytes in force when they were saved, too.
+  int64_t stall_since_us = 0;  // consumer is waiting since then (0 = nobody waits)
+  std::string failure;         // why the bytes are lost (state kFailed)
   int64_t spill_count = 0;
   int64_t reload_count = 0;
   int64_t last_spill_us = 0;

@@ -12,7 +12,8 @@
 namespace spillway {
 
 void OffloadEngine::Prefetch(uint64_t before_seq, StreamRef consumer) {
-  if (config_.policy == OffloadPolicy::kOff || config_.prefetch_bytes == 0) return;
+  // Under "off" too: saves spilled by an inner block come back ahead of use all the same.
+  if (config_.prefetch_bytes == 0) return;
   auto it = by_seq_.lower_bound(before_seq);
   while (it != by_seq_.begin() && prefetched_bytes_ < config_.prefetch_bytes) {
     --it;
@@ -164,10 +165,9 @@ void OffloadEngine::UpdateWatermarks() {
 
 void OffloadEngine::SetConfig(const OffloadConfig& config) {
   EngineLock lock(mutex_);
+  // Entries saved so far keep the minimum size of the block they were saved in (offload blocks
+  // nest, and each one sets the configuration as it starts and ends).
   config_ = config;
-  for (auto& [seq, entry] : by_seq_) {
-    entry->policy_refused = entry->nbytes < config_.min_bytes;
-  }
   UpdateWatermarks();
 }
 

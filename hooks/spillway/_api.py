@@ -163,9 +163,11 @@ def offload(policy=None, budget_bytes=None, min_bytes=None, prefetch_bytes=None)
         (`offload_min_kb`, 1 MiB).
     prefetch_bytes: how far ahead backward reloads; default from the configuration (256 MiB).
 
-    Blocks nest: each tensor follows the block it was saved in (one saved in an "off" block stays
-    on the device), and when an inner block ends the enclosing block's settings come back. The
-    outermost block's settings stay in force after it, for the backward pass.
+    Blocks nest: each saved tensor keeps the "off" and the min_bytes of the block it was saved in
+    (one saved in an "off" block stays on the device), and when an inner block ends the enclosing
+    block's settings come back; when to spill is up to the policy in force. The outermost block's
+    settings stay in force after it, for the backward pass (under the environment hook, the
+    process-wide settings come back instead). Blocks are meant to be opened by one thread.
     """
     global _open_blocks
     if policy is not None and policy not in _POLICIES:

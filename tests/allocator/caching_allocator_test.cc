@@ -63,8 +63,15 @@ TEST_F(CachingAllocatorTest, MidSizeRequestTakesItsOwnSizeWhenTwentyMiBDoNotFit)
   allocator_->Free(mid);
   allocator_->Free(small);
 
+  Reset(AllocatorConfig{});  // under a watermark (the offload budget), the own size comes first
+  allocator_->SetWatermark(0, 16 * kMiB);
+  void* under = Alloc(2 * kMiB);
+  EXPECT_EQ(Stat("reserved_bytes.all.current"), int64_t{2 << 20});
+  allocator_->Free(under);
+
   Reset(AllocatorConfig{}, 30 * kMiB);  // no limit, a 30 MiB device
   std::vector<void*> blocks;
+  blocks.reserve(15);
   for (int i = 0; i < 15; ++i) blocks.push_back(Alloc(2 * kMiB));  // 30 MiB in all
   EXPECT_EQ(Stat("reserved_bytes.all.current"), int64_t{30 << 20});
   EXPECT_EQ(Stat("segment.large_pool.current"), 6) << "one of 20 MiB, then five of 2 MiB";
@@ -143,6 +150,7 @@ TEST_F(CachingAllocatorTest, EmptyCacheReleasesOnlyWholeFreeSegments) {
 TEST_F(CachingAllocatorTest, EmptyCacheGivesBackBookkeepingABurstGrew) {
   const size_t idle = allocator_->MetadataBytes(0);
   std::vector<void*> burst;
+  burst.reserve(20000);
   for (int i = 0; i < 20000; ++i) burst.push_back(Alloc(512));
   const size_t grown = allocator_->MetadataBytes(0);
   EXPECT_GT(grown, 20000u * 32) << "one 32-byte Block per live allocation at least";
@@ -165,6 +173,7 @@ TEST_F(CachingAllocatorTest, EmptyCacheGivesBackBookkeepingABurstGrew) {
   }
   // The allocator goes on working: a second burst, then everything back.
   std::vector<void*> again;
+  again.reserve(20000);
   for (int i = 0; i < 20000; ++i) again.push_back(Alloc(512));
   EXPECT_EQ(std::set<void*>(again.begin(), again.end()).size(), again.size());
   for (void* p : again) allocator_->Free(p);
@@ -196,6 +205,10 @@ TEST_F(CachingAllocatorTest, MemoryFractionLimitsAndCanBeChanged) {
   allocator_->Free(p);
   allocator_->SetMemoryFraction(0.0, 0);
   EXPECT_EQ(allocator_->memory_limit(0), 0u);
+  // A fraction too small for a single byte is a limit nothing fits under, not "no limit".
+  allocator_->SetMemoryFraction(1e-12, 0);
+  EXPECT_EQ(allocator_->memory_limit(0), 1u);
+  EXPECT_THROW(Alloc(512), OutOfMemoryError);
 }
 
 TEST_F(CachingAllocatorTest, GarbageCollectionReleasesOldFreeSegmentsBeforeGrowing) {

@@ -339,6 +339,7 @@ TEST_P(AwaitOnlyWhatFitsTest, TheOldestPendingBlockServesAndTheOthersStayPending
   const StreamRef copy = backend->create_stream(0);
   constexpr size_t kBytes = 12 * kMiB;
   std::vector<void*> spilled;
+  spilled.reserve(3);
   for (int i = 0; i < 3; ++i) spilled.push_back(alloc.Malloc(kBytes, 0, main));
   backend->hold = backend->hold_stream(0, copy.handle);
   // Freed newest-address first, so the oldest pending block is not the one best fit would pick.

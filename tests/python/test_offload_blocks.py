@@ -108,3 +108,19 @@ def test_empty_cache_gives_pinned_host_memory_back():
     assert out.returncode == 0, out.stderr
     assert "spilled 1 cached True" in out.stdout, out.stdout
     assert "after 0" in out.stdout, out.stdout
+
+
+def test_saves_keep_the_minimum_size_of_their_block():
+    """A save below the enclosing block's min_bytes, made in an inner block that spills
+    everything, is spilled by the enclosing block too: it keeps its own block's minimum."""
+    x = torch.randn(256, 256, requires_grad=True)  # 256 KiB: below the default 1 MiB
+
+    def forward():
+        with spillway.offload("eager"):
+            with spillway.offload("off", min_bytes=0):
+                pass
+            with spillway.offload("auto", min_bytes=0, budget_bytes=1 << 40):  # never spills
+                loss = x.exp().sum()  # saves exp's output, 256 KiB, and nothing else
+        loss.backward()
+
+    assert spills_during(forward) == 1
