@@ -170,7 +170,8 @@ class DeviceAllocator {
   void ReleaseCachedSegments(size_t until_freed);
   void GarbageCollect(size_t incoming);
   void ProcessEventsLocked();
-  // Frees the pending `kind` blocks of `stream`'s own pool, oldest first, until one serves a
+  // Frees the pending `kind` blocks of `stream`'s own pool, oldest first within each use
+  // stream's queue (the queues of different use streams in no set order), until one serves a
   // `rounded`-byte request, and returns that block (kNoBlock if none did). Each waits for its
   // stream uses: where every access follows streams `stream` waits (cudaStreamWaitEvent) and the
   // host goes on; elsewhere the host waits (counted once in num_sync_all_streams).

@@ -16,7 +16,6 @@ _INT64_MAX = (1 << 63) - 1
 # The bound of the configuration key history_entries (allocator/config.cc): the history ring of
 # each device is allocated up front, max_entries entries of it.
 _MAX_HISTORY_ENTRIES = 10_000_000
-_MIN_FRACTION = 2.0**-20
 
 
 def _check_bytes(name, value, allow_none=True, positive=False):
@@ -221,15 +220,10 @@ def set_per_process_memory_fraction(fraction, device=0):
     torch.cuda.set_per_process_memory_fraction); 0 removes the limit."""
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
         raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
-    # PyTorch accepts any fraction in (0, 1] and a tiny one means a tiny limit (every allocation
-    # fails). Spillway's limit is fraction * total rounded down, and a limit of 0 bytes means no
-    # limit: a tiny fraction would silently lift the limit instead. Below 2**-20 (one byte per
-    # MiB of device memory) the limit can round to 0 (the smallest simulated device is 1 MiB), so
-    # such a fraction is refused; no sensible limit is that small.
-    if not (fraction == 0 or _MIN_FRACTION <= fraction <= 1):
-        raise ValueError(
-            f"fraction must be 0 (no limit) or a number from 2**-20 ({_MIN_FRACTION:.3g}) to 1, "
-            f"got {fraction!r}")
+    # As in PyTorch, a tiny fraction is a tiny limit (the core keeps at least one byte, so that
+    # it never rounds to 0, which would mean no limit); NaN fails every comparison.
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"fraction must be a number in [0, 1] (0: no limit), got {fraction!r}")
     _require_installed("set_per_process_memory_fraction")
     _C.set_memory_fraction(float(fraction), _device_index(device))
 
