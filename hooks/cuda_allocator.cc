@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "hooks/runtime.h"
 #include "hooks/torch_compat.h"
 #include "hooks/trace_context.h"
 #include "offload/engine.h"
@@ -156,10 +157,17 @@ class SpillwayCudaAllocator final : public Base {
   std::string name() { return "spillway"; }
 
   // --- cache and limits ---
-  void emptyCache() { alloc_.EmptyCache(); }
+  // As spillway.empty_cache(): the pinned host chunks no spilled data uses go back too (the
+  // runtime's engine serves this allocator whenever there is one).
+  void emptyCache() {
+    Guard([&] {
+      alloc_.EmptyCache();
+      if (OffloadEngine* engine = Runtime::Get().engine_if_created()) engine->TrimHostMemory();
+    });
+  }
   void emptyCache(MempoolId id) {
     CheckDefaultPool(id);
-    alloc_.EmptyCache();
+    emptyCache();
   }
   void setMemoryFraction(double fraction, c10::DeviceIndex device) {
     TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0, "invalid fraction ", fraction,

@@ -86,9 +86,12 @@ PYBIND11_MODULE(_C, m) {
         }
       });
 
-  m.def("install", [](const std::string& device, const std::string& conf) {
-    tl::Runtime::Get().Install(device, conf);
-  });
+  m.def(
+      "install",
+      [](const std::string& device, const std::string& conf, size_t capacity_bytes) {
+        tl::Runtime::Get().Install(device, conf, capacity_bytes);
+      },
+      py::arg("device"), py::arg("conf"), py::arg("capacity_bytes") = 0);
   m.def("has_cuda_allocator", &tl::HasCudaAllocator);
   m.def("install_cuda_allocator", [] {
     tl::Runtime& runtime = tl::Runtime::Get();
@@ -159,11 +162,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("reset_accumulated_stats",
         [](int device) { tl::Runtime::Get().allocator().ResetAccumulatedStats(device); });
-  m.def("empty_cache", [] {
-    tl::Runtime& runtime = tl::Runtime::Get();
-    runtime.allocator().EmptyCache();
-    if (sw::OffloadEngine* engine = runtime.engine_if_created()) engine->TrimHostMemory();
-  });
+  m.def("empty_cache", [] { tl::Runtime::Get().EmptyCache(); });
   m.def("synchronize", [] {
     if (sw::OffloadEngine* engine = tl::Runtime::Get().engine_if_created()) engine->Synchronize();
   });

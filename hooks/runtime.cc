@@ -17,17 +17,7 @@ Runtime& Runtime::Get() {
   return *runtime;
 }
 
-void Runtime::Install(const std::string& device, const std::string& conf) {
-  std::lock_guard lock(mutex_);
-  const std::string key = device + "|" + conf;
-  if (mode_ != Mode::kNone) {
-    if (key == install_key_) return;
-    throw InvalidArgumentError(absl::StrFormat(
-        "spillway is already installed (device=%s, conf=\"%s\"); one install per process, and "
-        "this call asks for device=%s, conf=\"%s\"",
-        install_key_.substr(0, install_key_.find('|')),
-        install_key_.substr(install_key_.find('|') + 1), device, conf));
-  }
+void Runtime::Install(const std::string& device, const std::string& conf, size_t capacity_bytes) {
   Config base;
   if (device == "sim") {
     base.device = DeviceKind::kSim;
@@ -37,12 +27,41 @@ void Runtime::Install(const std::string& device, const std::string& conf) {
     throw InvalidArgumentError(absl::StrFormat(
         "unknown device '%s' for spillway.install: expected \"cuda\" or \"sim\"", device));
   }
+  constexpr size_t kMiB = size_t{1} << 20;
+  if (capacity_bytes != 0) {
+    if (base.device != DeviceKind::kSim) {
+      throw InvalidArgumentError("capacity_bytes applies to device='sim' only");
+    }
+    if (capacity_bytes % kMiB != 0) {
+      throw InvalidArgumentError(absl::StrFormat(
+          "capacity_bytes must be a multiple of 1 MiB (%d), got %d", kMiB, capacity_bytes));
+    }
+    base.sim_capacity_bytes = capacity_bytes;
+  }
+  const std::string call = capacity_bytes == 0
+                               ? absl::StrFormat("device=%s, conf=\"%s\"", device, conf)
+                               : absl::StrFormat("device=%s, capacity_bytes=%d, conf=\"%s\"",
+                                                 device, capacity_bytes, conf);
+  std::lock_guard lock(mutex_);
+  if (mode_ != Mode::kNone) {
+    if (call == install_call_) return;
+    throw InvalidArgumentError(absl::StrFormat(
+        "spillway is already installed (%s); one install per process, and this call asks for %s",
+        install_call_, call));
+  }
   absl::StatusOr<Config> parsed = ParseConfig(conf, base);
   if (!parsed.ok()) throw InvalidArgumentError(std::string(parsed.status().message()));
   if (parsed->device != base.device) {
     throw InvalidArgumentError(absl::StrFormat(
         "spillway.install(device=\"%s\") conflicts with the configuration's device key in \"%s\"",
         device, conf));
+  }
+  // Only a configuration that names the key can have changed the capacity the call gave.
+  if (capacity_bytes != 0 && parsed->sim_capacity_bytes != capacity_bytes) {
+    throw InvalidArgumentError(absl::StrFormat(
+        "spillway.install(capacity_bytes=%d) conflicts with the configuration's capacity_mb key "
+        "in \"%s\" (%d MiB)",
+        capacity_bytes, conf, parsed->sim_capacity_bytes / kMiB));
   }
   if (!ConfigureProcessAllocator(*parsed) && ProcessConfig().device != parsed->device) {
     throw InvalidArgumentError(
@@ -53,7 +72,7 @@ void Runtime::Install(const std::string& device, const std::string& conf) {
   config_ = *parsed;
   if (parsed->device == DeviceKind::kSim) SimCpuAllocator::Install(*allocator_);
   mode_ = parsed->device == DeviceKind::kSim ? Mode::kSim : Mode::kCuda;
-  install_key_ = key;
+  install_call_ = call;
 }
 
 Mode Runtime::mode() const {
@@ -83,6 +102,11 @@ OffloadEngine& Runtime::engine() {
 OffloadEngine* Runtime::engine_if_created() {
   std::lock_guard lock(mutex_);
   return engine_.get();
+}
+
+void Runtime::EmptyCache() {
+  allocator().EmptyCache();
+  if (OffloadEngine* engine = engine_if_created()) engine->TrimHostMemory();
 }
 
 StreamRef Runtime::CurrentStream(int device) const {

@@ -23,8 +23,10 @@ class Runtime {
   static Runtime& Get();
 
   // Installs Spillway for `device` ("sim" or "cuda") with configuration text `conf`. The same call
-  // again is a no-op; a different one throws InvalidArgumentError naming both.
-  void Install(const std::string& device, const std::string& conf);
+  // again is a no-op; a different one throws InvalidArgumentError naming both. `capacity_bytes`
+  // (0: not given; a multiple of 1 MiB, device "sim" only) sizes the simulated device; like
+  // `device`, it must agree with the configuration's own key when both name it.
+  void Install(const std::string& device, const std::string& conf, size_t capacity_bytes = 0);
   Mode mode() const;
   bool installed() const { return mode() != Mode::kNone; }
   // Throws when nothing is installed.
@@ -32,6 +34,9 @@ class Runtime {
   // Created on first use with the installed configuration's offload settings.
   OffloadEngine& engine();
   OffloadEngine* engine_if_created();
+  // Empties the allocator's cache and gives back the pinned host chunks no spilled data uses:
+  // spillway.empty_cache() (torch.cuda.empty_cache() does the same through the c10 adapter).
+  void EmptyCache();
   const Config& config() const { return config_; }
   // The stream torch work on `device` goes to now: the default stream on the simulated device
   // (CPU kernels run on the host), the current CUDA stream otherwise.
@@ -43,7 +48,8 @@ class Runtime {
   Runtime() = default;
   mutable std::mutex mutex_;
   Mode mode_ = Mode::kNone;
-  std::string install_key_;
+  // The install's device, capacity and conf, as an error for a different call shows them.
+  std::string install_call_;
   Config config_;
   CachingAllocator* allocator_ = nullptr;
   std::unique_ptr<OffloadEngine> engine_;

@@ -10,7 +10,6 @@ from . import _C
 
 _LIB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libspillway_alloc.so")
 _POLICIES = ("off", "eager", "auto")
-_MIB = 1 << 20
 _lock = threading.Lock()
 _INT64_MAX = (1 << 63) - 1
 # The bound of the configuration key history_entries (allocator/config.cc): the history ring of
@@ -45,23 +44,6 @@ def _check_bool(name, value):
     raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
-def _conf_values(conf, key):
-    """The values `key` has in the `key:value,...` string `conf` (top-level items; lists in
-    brackets stay whole), stripped as the configuration parser strips them."""
-    items, depth, current = [], 0, ""
-    for ch in conf or "":
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            items.append(current)
-            current = ""
-        else:
-            current += ch
-    items.append(current)
-    pairs = [item.split(":", 1) for item in items if ":" in item]
-    return [v.strip() for k, v in pairs if k.strip() == key]
-
-
 def install(device="cuda", conf=None, capacity_bytes=None):
     """Makes Spillway serve PyTorch's allocations on `device`.
 
@@ -78,21 +60,12 @@ def install(device="cuda", conf=None, capacity_bytes=None):
     if conf is not None and not isinstance(conf, str):
         raise ValueError(f"conf must be a string like 'offload:auto,prefetch_mb:256', got {conf!r}")
     _check_bytes("capacity_bytes", capacity_bytes, positive=True)
-    parts = [conf] if conf else []
-    if capacity_bytes is not None:
-        if device != "sim":
-            raise ValueError("capacity_bytes applies to device='sim' only")
-        if capacity_bytes % _MIB:
-            raise ValueError(f"capacity_bytes must be a multiple of 1 MiB ({_MIB}), got {capacity_bytes}")
-        # As for a conflicting device key (the C++ install refuses it): two capacities are an
-        # error, not a silent preference. A value that is no number is left to the parser.
-        for value in _conf_values(conf, "capacity_mb"):
-            if value.isascii() and value.isdigit() and int(value) * _MIB != capacity_bytes:
-                raise ValueError(
-                    f"spillway.install(capacity_bytes={capacity_bytes}) conflicts with the "
-                    f"configuration's capacity_mb key in \"{conf}\" ({int(value)} MiB)")
-        parts.append(f"capacity_mb:{capacity_bytes // _MIB}")
-    text = ",".join(parts)
+    if capacity_bytes is not None and device != "sim":
+        # Before the CUDA checks below, which would name another problem.
+        raise ValueError("capacity_bytes applies to device='sim' only")
+    # The C++ install checks the rest: whole MiB, and no conflict with a capacity_mb key.
+    text = conf or ""
+    capacity = capacity_bytes or 0
     with _lock:
         if device == "cuda":
             mode = _C.installed_mode()
@@ -105,7 +78,7 @@ def install(device="cuda", conf=None, capacity_bytes=None):
                     raise RuntimeError(
                         "spillway.install(device='cuda') must run before CUDA initializes: call "
                         "it before creating any CUDA tensor")
-            _C.install("cuda", text)
+            _C.install("cuda", text, capacity)
             if mode == "":
                 if _C.has_cuda_allocator():
                     # The c10 adapter: torch.cuda.memory_stats, _snapshot and friends all work.
@@ -114,7 +87,7 @@ def install(device="cuda", conf=None, capacity_bytes=None):
                     # Built without a CUDA torch >= 2.4: the C ABI route (no torch-side stats).
                     torch.cuda.memory.change_current_allocator(pluggable_allocator())
         else:
-            _C.install("sim", text)
+            _C.install("sim", text, capacity)
 
 
 def installed():

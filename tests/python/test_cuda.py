@@ -81,12 +81,21 @@ def test_torch_cuda_memory_reports_spillway():
         del x
         torch.cuda.reset_peak_memory_stats()
         print("peak reset", torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated())
+        w = torch.randn(1024, 1024, device="cuda", requires_grad=True)
+        with spillway.offload("eager"):
+            loss = (w * 2).exp().sum()
+        spillway.synchronize()
+        loss.backward()
+        del w, loss
+        print("host cached", spillway.memory_stats()["spillway.host_reserved_bytes"] > 0)
         torch.cuda.empty_cache()
         print("emptied", torch.cuda.memory_reserved() == 0)
+        print("host emptied", spillway.memory_stats()["spillway.host_reserved_bytes"] == 0)
         print("fraction", torch.cuda.get_per_process_memory_fraction() == 1.0)
     """)
     for line in ("backend spillway", "allocated True", "reserved True", "keys True",
-                 "peak reset True", "emptied True", "fraction True"):
+                 "peak reset True", "host cached True", "emptied True", "host emptied True",
+                 "fraction True"):
         assert line in out, out
 
 
