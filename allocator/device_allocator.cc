@@ -121,26 +121,42 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
   // The out-of-memory ladder, cheapest step first: what the allocator can do on its own, then
   // what the registered holders (the offload engine, whose spills cost copies) can give back.
   if (block == kNoBlock) block = Reclaim(kind, stream, rounded);
-  if (block == kNoBlock && callbacks_) {
-    // Ask the holders to release memory. They free through this allocator, so the lock must not
-    // be held; then everything the allocator can do on its own, once more.
-    const std::vector<FreeMemoryCallback> callbacks = callbacks_();
-    if (!callbacks.empty()) {
-      lock.unlock();
-      size_t released = 0;
-      for (const FreeMemoryCallback& callback : callbacks) {
-        released += callback(device_, segment_size);
-        if (released >= segment_size) break;
-      }
-      lock.lock();
-      ProcessEventsLocked();
-      block = FindFree(kind, stream, rounded);
-      if (block == kNoBlock) block = AllocSegment(kind, stream, rounded);
-      if (block == kNoBlock) block = Reclaim(kind, stream, rounded);
-    }
-  }
+  if (block == kNoBlock && callbacks_) block = AskHolders(kind, stream, rounded, lock);
   if (block == kNoBlock) ThrowOutOfMemory(size, rounded);
   return UseBlock(block, rounded, size, std::move(context));
+}
+
+BlockId DeviceAllocator::AskHolders(PoolKind kind, StreamRef stream, size_t rounded,
+                                    std::unique_lock<std::mutex>& lock) {
+  const std::vector<FreeMemoryCallback> callbacks = callbacks_();
+  // First the least that could serve (what the least new segment needs: spilling 20 MiB for a
+  // 2 MiB request costs copies now and reloads later), then twice as much each time while the
+  // holders still give memory back: what they free may lie scattered over segments that stay in
+  // use, and fit only once more of it is free. The doubling bounds the passes (each one waits for
+  // the device) to the logarithm of device memory.
+  size_t ask = LeastSegmentSize(rounded);
+  BlockId block = kNoBlock;
+  while (block == kNoBlock && !callbacks.empty()) {
+    // The holders free through this allocator: the lock must not be held.
+    const auto allocated_before = stats_.allocated_bytes.all().current;
+    lock.unlock();
+    size_t released = 0;
+    for (const FreeMemoryCallback& callback : callbacks) {
+      released += callback(device_, ask);
+      if (released >= ask) break;
+    }
+    lock.lock();
+    // Then everything the allocator can do on its own, once more.
+    ProcessEventsLocked();
+    block = FindFree(kind, stream, rounded);
+    if (block == kNoBlock) block = AllocSegment(kind, stream, rounded);
+    if (block == kNoBlock) block = Reclaim(kind, stream, rounded);
+    // Nothing given back (by their word, or by the allocated bytes: a holder that says it freed
+    // memory but did not must not keep this loop going): asking again cannot help.
+    if (released == 0 || stats_.allocated_bytes.all().current >= allocated_before) break;
+    ask = ask > std::numeric_limits<size_t>::max() / 2 ? ask : ask * 2;
+  }
+  return block;
 }
 
 BlockId DeviceAllocator::Reclaim(PoolKind kind, StreamRef stream, size_t rounded) {
@@ -191,8 +207,8 @@ BlockId DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t ro
   // a block is never split, nor handed to such a request.) Under a watermark, the request's own
   // size comes first when only it stays under the watermark.
   const size_t full = SizePolicy::SegmentSize(rounded);
-  const size_t least = SizePolicy::SmallestSegmentSize(rounded);
-  const bool least_allowed = least < full && policy_.AcceptsBlock(least, rounded);
+  const size_t least = LeastSegmentSize(rounded);
+  const bool least_allowed = least < full;
   const auto reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
   const size_t watermark = watermark_.load(std::memory_order_relaxed);
   if (least_allowed && reserved + full > watermark && reserved + least <= watermark) {
@@ -201,6 +217,12 @@ BlockId DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t ro
   BlockId block = NewSegment(kind, stream, full);
   if (block == kNoBlock && least_allowed) block = NewSegment(kind, stream, least);
   return block;
+}
+
+size_t DeviceAllocator::LeastSegmentSize(size_t rounded) const {
+  const size_t full = SizePolicy::SegmentSize(rounded);
+  const size_t least = SizePolicy::SmallestSegmentSize(rounded);
+  return least < full && policy_.AcceptsBlock(least, rounded) ? least : full;
 }
 
 BlockId DeviceAllocator::NewSegment(PoolKind kind, StreamRef stream, size_t segment_size) {

@@ -30,7 +30,9 @@
 namespace spillway {
 
 // Asked, on the out-of-memory path, to give back at least `bytes` of device memory on `device`;
-// returns how many bytes it released. Called without any allocator lock held.
+// returns how many bytes it released. Called without any allocator lock held, first for what the
+// least new segment needs, then for twice as much each time while it still releases memory and
+// the request does not fit.
 using FreeMemoryCallback = std::function<size_t(int device, size_t bytes)>;
 // Returns the registered callbacks (owned by the multi-device front).
 using FreeMemoryCallbacksFn = std::function<std::vector<FreeMemoryCallback>()>;
@@ -141,6 +143,9 @@ class DeviceAllocator {
   // A new segment for a `rounded`-byte request: PyTorch's size, or the least that holds the
   // request when that does not fit. kNoBlock when neither does.
   BlockId AllocSegment(PoolKind kind, StreamRef stream, size_t rounded);
+  // The least segment AllocSegment may take for the request (PyTorch's size when the least one
+  // would break an oversize rule).
+  size_t LeastSegmentSize(size_t rounded) const;
   BlockId NewSegment(PoolKind kind, StreamRef stream, size_t segment_size);
   void* UseBlock(BlockId block, size_t rounded, size_t requested, TraceContext context);
   void FreeBlock(BlockId block);
@@ -148,6 +153,10 @@ class DeviceAllocator {
   // The out-of-memory ladder's own steps (no callbacks): the wait for pending stream uses, the
   // release of cached segments, a small request in the large pool. kNoBlock if none serves.
   BlockId Reclaim(PoolKind kind, StreamRef stream, size_t rounded);
+  // The ladder's last step: the registered holders (the offload engine) give memory back, and
+  // the allocator's own steps run again after each round. Unlocks `lock` while they run.
+  BlockId AskHolders(PoolKind kind, StreamRef stream, size_t rounded,
+                     std::unique_lock<std::mutex>& lock);
   // Adds or removes a free block in its pool's index, keyed by its current size and address.
   void IndexInsert(BlockId block);
   void IndexErase(BlockId block);

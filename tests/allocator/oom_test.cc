@@ -67,6 +67,63 @@ TEST_F(OomTest, FreeMemoryCallbackTurnsFailureIntoSuccess) {
   allocator_->Free(p);
 }
 
+// A spill costs a copy now and a reload later: the holders are asked for what the least new
+// segment needs (2 MiB for a 2 MiB request), not for PyTorch's 20 MiB segment.
+TEST_F(OomTest, HoldersAreAskedForTheLeastSegmentThatServes) {
+  void* held = Alloc(50 * kMiB);
+  void* spillable = Alloc(14 * kMiB);  // the device is full
+  std::vector<size_t> asked;
+  allocator_->AddFreeMemoryCallback([&](int, size_t bytes) -> size_t {
+    asked.push_back(bytes);
+    if (spillable == nullptr) return 0;
+    allocator_->Free(spillable);
+    spillable = nullptr;
+    return 14 * kMiB;
+  });
+  void* p = Alloc(2 * kMiB);
+  EXPECT_NE(p, nullptr);
+  EXPECT_EQ(asked, std::vector<size_t>{2 * kMiB});
+  allocator_->Free(p);
+  allocator_->Free(held);
+}
+
+// What a holder frees can lie scattered over segments that stay in use: while it gives memory
+// back the allocator asks again (for twice as much each time), until the request fits.
+TEST_F(OomTest, HoldersAreAskedAgainWhileTheyGiveMemoryBack) {
+  Reset(AllocatorConfig{}, 40 * kMiB);  // two 20 MiB segments, four 5 MiB blocks in each
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) blocks.push_back(Alloc(5 * kMiB));
+  ASSERT_EQ(Stat("segment.all.current"), 2);
+  std::sort(blocks.begin(), blocks.end());  // blocks[0..3] in one segment, [4..7] in the other
+  // One block a call, never two neighbours until the fifth: only then do 12 MiB lie in one piece.
+  std::vector<void*> order = {blocks[0], blocks[4], blocks[2], blocks[6], blocks[1]};
+  std::vector<size_t> asked;
+  allocator_->AddFreeMemoryCallback([&](int, size_t bytes) -> size_t {
+    asked.push_back(bytes);
+    if (asked.size() > order.size()) return 0;
+    allocator_->Free(order[asked.size() - 1]);
+    return 5 * kMiB;
+  });
+  void* p = Alloc(12 * kMiB);
+  EXPECT_EQ(p, blocks[0]) << "served from the three free neighbours";
+  EXPECT_EQ(asked, (std::vector<size_t>{12 * kMiB, 24 * kMiB, 48 * kMiB, 96 * kMiB, 192 * kMiB}));
+  allocator_->Free(p);
+  for (void* b : {blocks[3], blocks[5], blocks[7]}) allocator_->Free(b);
+}
+
+// A holder that claims to have freed memory but did not cannot keep the allocator asking.
+TEST_F(OomTest, AHolderThatFreesNothingIsAskedOnce) {
+  void* held = Alloc(64 * kMiB);
+  int calls = 0;
+  allocator_->AddFreeMemoryCallback([&](int, size_t bytes) -> size_t {
+    ++calls;
+    return bytes;
+  });
+  EXPECT_THROW(Alloc(2 * kMiB), OutOfMemoryError);
+  EXPECT_EQ(calls, 1);
+  allocator_->Free(held);
+}
+
 TEST_F(OomTest, CallbacksAreNotAskedWhileTheBackendHasRoom) {
   int calls = 0;
   const uint64_t id = allocator_->AddFreeMemoryCallback([&](int, size_t) -> size_t {

@@ -142,6 +142,26 @@ TEST_F(OffloadPolicyTest, OffloadOomRescueTurnsAFailingAllocationIntoSuccess) {
   }
 }
 
+// The rescue spills for what the request needs, not for PyTorch's 20 MiB segment: one 2 MiB
+// entry for a 2 MiB request on a full device.
+TEST_F(OffloadPolicyTest, OffloadOomRescueSpillsOnlyWhatTheRequestNeeds) {
+  OffloadConfig config = Policy(OffloadPolicy::kAuto);
+  config.budget_bytes = 1024 * kMiB;  // the budget never triggers: only the rescue can help
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::vector<std::shared_ptr<TestStorage>> saved;
+  for (uint32_t i = 0; i < 32; ++i) {  // three 20 MiB segments and two 2 MiB ones: full
+    saved.push_back(NewStorage(2 * kMiB, i));
+    Save(saved.back());
+    saved.back()->holders = 0;
+  }
+  storages_.clear();
+  ASSERT_EQ(AllocStat("reserved_bytes.all.current"), int64_t{64 * kMiB});
+  void* p = allocator_->Malloc(2 * kMiB, 0, compute_);
+  EXPECT_NE(p, nullptr);
+  EXPECT_EQ(EngineStat("num_spills"), 1);
+  allocator_->Free(p);
+}
+
 TEST_F(OffloadPolicyTest, OffloadWithoutRescueTheSameAllocationFails) {
   Make(Policy(OffloadPolicy::kOff), 64 * kMiB, std::chrono::microseconds{0});
   for (uint32_t i = 0; i < 5; ++i) {
