@@ -173,7 +173,9 @@ void CachingAllocator::SetMemoryLimit(size_t bytes, int device) {
 
 size_t CachingAllocator::memory_limit(int device) const { return At(device).memory_limit(); }
 
-double CachingAllocator::memory_fraction(int device) const { return At(device).memory_fraction(); }
+std::optional<double> CachingAllocator::memory_fraction(int device) const {
+  return At(device).memory_fraction();
+}
 
 DeviceStats CachingAllocator::stats(int device) const { return At(device).stats(); }
 

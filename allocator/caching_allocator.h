@@ -49,7 +49,7 @@ class CachingAllocator {
   void SetMemoryFraction(double fraction, int device);
   void SetMemoryLimit(size_t bytes, int device);
   size_t memory_limit(int device) const;
-  double memory_fraction(int device) const;  // as last set; 0 = none
+  std::optional<double> memory_fraction(int device) const;  // as last set; none if never set
 
   DeviceStats stats(int device) const;
   std::map<std::string, int64_t> FlatStats(int device) const {

@@ -17,7 +17,10 @@ DeviceAllocator::DeviceAllocator(Backend& backend, int device, const AllocatorCo
       policy_(config),
       gc_threshold_(config.garbage_collection_threshold),
       callbacks_(std::move(callbacks)),
-      memory_fraction_(config.per_process_memory_fraction),
+      // The configuration's 0 means "not set" (its key accepts (0, 1] only).
+      memory_fraction_(config.per_process_memory_fraction > 0.0
+                           ? std::optional(config.per_process_memory_fraction)
+                           : std::nullopt),
       memory_limit_bytes_(config.memory_limit_bytes) {
   limit_ = ComputeLimit();
 }
@@ -81,11 +84,11 @@ size_t DeviceAllocator::TotalMemory() const {
 
 size_t DeviceAllocator::ComputeLimit() const {
   size_t limit = memory_limit_bytes_;
-  if (memory_fraction_ > 0.0) {
-    // At least one byte: a fraction so small that it rounds to nothing is a limit nothing fits
-    // under, not "no limit".
+  if (memory_fraction_.has_value()) {
+    // At least one byte: a fraction that rounds to nothing (0 included, as in PyTorch) is a
+    // limit nothing fits under, not "no limit" (which a limit of 0 would mean).
     const auto from_fraction = std::max<size_t>(
-        1, static_cast<size_t>(memory_fraction_ * static_cast<double>(TotalMemory())));
+        1, static_cast<size_t>(*memory_fraction_ * static_cast<double>(TotalMemory())));
     limit = limit == 0 ? from_fraction : std::min(limit, from_fraction);
   }
   return limit;
@@ -491,8 +494,8 @@ void DeviceAllocator::EmptyCache() {
 void DeviceAllocator::SetMemoryFraction(double fraction) {
   if (!(fraction >= 0.0 && fraction <= 1.0)) {
     throw InvalidArgumentError(absl::StrFormat(
-        "memory fraction %g for device %d is out of range: expected a value in (0, 1], or 0 to "
-        "clear the limit",
+        "memory fraction %g for device %d is out of range: expected a value in [0, 1] (0 allows "
+        "no new memory, 1 the whole device)",
         fraction, device_));
   }
   std::lock_guard lock(mutex_);
@@ -513,7 +516,7 @@ size_t DeviceAllocator::memory_limit() const {
   return limit_;
 }
 
-double DeviceAllocator::memory_fraction() const {
+std::optional<double> DeviceAllocator::memory_fraction() const {
   std::lock_guard lock(mutex_);
   return memory_fraction_;
 }

@@ -95,11 +95,12 @@ class DeviceAllocator {
   std::string DescribeForeign(const void* ptr) const;
 
   void EmptyCache();
-  // 0 clears the limit. Fractions are of total device memory.
+  // A fraction of total device memory in [0, 1], as PyTorch's: 0 allows no new memory (a limit
+  // of one byte), 1 the whole device.
   void SetMemoryFraction(double fraction);
   void SetMemoryLimit(size_t bytes);
-  size_t memory_limit() const;     // 0 = none
-  double memory_fraction() const;  // as last set; 0 = none
+  size_t memory_limit() const;                    // 0 = none
+  std::optional<double> memory_fraction() const;  // as last set; none when never set
 
   DeviceStats stats() const;
   void ResetPeakStats();
@@ -227,7 +228,7 @@ class DeviceAllocator {
   std::vector<EventHandle> spare_events_;
   DeviceStats stats_;
   HistoryRing history_;
-  double memory_fraction_ = 0.0;
+  std::optional<double> memory_fraction_;
   size_t memory_limit_bytes_ = 0;
   size_t limit_ = 0;   // effective: min of the two when set, 0 = none
   int64_t clock_ = 0;  // counts segment allocations, ages free segments for GC

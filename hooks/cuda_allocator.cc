@@ -175,8 +175,8 @@ class SpillwayCudaAllocator final : public Base {
     Guard([&] { alloc_.SetMemoryFraction(fraction, device); });
   }
   double getMemoryFraction(c10::DeviceIndex device) {
-    const double fraction = Guard([&] { return alloc_.memory_fraction(device); });
-    return fraction == 0.0 ? 1.0 : fraction;  // PyTorch reports the whole device as 1.0
+    // PyTorch reports the whole device, 1.0, while no fraction was set.
+    return Guard([&] { return alloc_.memory_fraction(device); }).value_or(1.0);
   }
   void cacheInfo(c10::DeviceIndex device, size_t* largest_block) {
     // PyTorch's contract: a zero *largest_block asks for a first guess (the device's free bytes),

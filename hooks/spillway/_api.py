@@ -189,14 +189,14 @@ def empty_cache():
 
 
 def set_per_process_memory_fraction(fraction, device=0):
-    """Limits Spillway's reserved memory on `device` to this fraction of the device's total (like
-    torch.cuda.set_per_process_memory_fraction); 0 removes the limit."""
+    """Limits Spillway's reserved memory on `device` to this fraction of the device's total, as
+    torch.cuda.set_per_process_memory_fraction does: 0 allows no new memory, 1 the whole device."""
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
         raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
-    # As in PyTorch, a tiny fraction is a tiny limit (the core keeps at least one byte, so that
-    # it never rounds to 0, which would mean no limit); NaN fails every comparison.
+    # As in PyTorch, 0 or a tiny fraction is a limit nothing new fits under (the core keeps at
+    # least one byte, as a limit of 0 bytes would mean none); NaN fails every comparison.
     if not 0 <= fraction <= 1:
-        raise ValueError(f"fraction must be a number in [0, 1] (0: no limit), got {fraction!r}")
+        raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
     _require_installed("set_per_process_memory_fraction")
     _C.set_memory_fraction(float(fraction), _device_index(device))
 

@@ -203,12 +203,16 @@ TEST_F(CachingAllocatorTest, MemoryFractionLimitsAndCanBeChanged) {
   allocator_->SetMemoryFraction(0.5, 0);
   void* p = Alloc(30 * kMiB);
   allocator_->Free(p);
-  allocator_->SetMemoryFraction(0.0, 0);
-  EXPECT_EQ(allocator_->memory_limit(0), 0u);
-  // A fraction too small for a single byte is a limit nothing fits under, not "no limit".
-  allocator_->SetMemoryFraction(1e-12, 0);
-  EXPECT_EQ(allocator_->memory_limit(0), 1u);
-  EXPECT_THROW(Alloc(512), OutOfMemoryError);
+  allocator_->SetMemoryFraction(1.0, 0);
+  EXPECT_EQ(allocator_->memory_limit(0), 100 * kMiB);
+  // As in PyTorch, 0 allows no new memory, and so does a fraction too small for a single byte:
+  // a limit nothing fits under, not "no limit".
+  for (const double nothing : {0.0, 1e-12}) {
+    allocator_->SetMemoryFraction(nothing, 0);
+    EXPECT_EQ(allocator_->memory_limit(0), 1u);
+    EXPECT_EQ(allocator_->memory_fraction(0), nothing);
+    EXPECT_THROW(Alloc(512), OutOfMemoryError);
+  }
 }
 
 TEST_F(CachingAllocatorTest, GarbageCollectionReleasesOldFreeSegmentsBeforeGrowing) {

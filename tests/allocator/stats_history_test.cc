@@ -248,7 +248,7 @@ TEST_F(StatsHistoryTest, SegmentOfFindsTheContainingSegmentLiveOrFree) {
 }
 
 TEST_F(StatsHistoryTest, MemoryFractionReadsBackAsSet) {
-  EXPECT_EQ(allocator_->memory_fraction(0), 0.0);
+  EXPECT_EQ(allocator_->memory_fraction(0), std::nullopt);
   allocator_->SetMemoryFraction(0.25, 0);
   EXPECT_EQ(allocator_->memory_fraction(0), 0.25);
   EXPECT_EQ(allocator_->memory_limit(0), (size_t{512} << 20) / 4);

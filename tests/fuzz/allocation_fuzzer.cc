@@ -146,8 +146,8 @@ class Harness {
         allocator_->EmptyCache();
         break;
       case kSetFraction:
-        // 0 clears the limit; otherwise eighths of the device, so limits below what is already
-        // reserved are common.
+        // Eighths of the device (0: no new memory, 8: the whole device), so limits below what is
+        // already reserved are common.
         allocator_->SetMemoryFraction(in.ConsumeIntegralInRange<int>(0, 8) / 8.0, 0);
         break;
       case kProcessEvents:

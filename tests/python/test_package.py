@@ -131,21 +131,24 @@ def test_a_fraction_outside_zero_to_one_is_refused(fraction):
         spillway.set_per_process_memory_fraction(fraction)
 
 
-def test_a_tiny_fraction_is_a_tiny_limit_not_none():
-    """As in PyTorch: a fraction too small for any allocation leaves nothing to allocate (it
-    used to round to a limit of 0 bytes, which meant no limit)."""
+def test_a_zero_or_tiny_fraction_leaves_nothing_to_allocate_and_one_gives_it_back():
+    """As in PyTorch: 0, or a fraction too small for any allocation, leaves nothing to allocate
+    (0 used to remove the limit, and a tiny fraction rounded to that); 1 is the whole device."""
     result = run_script("""
         import torch, spillway
-        spillway.install("sim", capacity_bytes=1 << 20)
-        spillway.set_per_process_memory_fraction(1e-9)
-        try:
-            torch.empty(256 << 10, dtype=torch.uint8)
-            print("allocated past the limit")
-        except torch.cuda.OutOfMemoryError:
-            print("out of memory")
+        spillway.install("sim", capacity_bytes=64 << 20)
+        for fraction in (1e-9, 0, 1):
+            spillway.set_per_process_memory_fraction(fraction)
+            try:
+                x = torch.empty(256 << 10, dtype=torch.uint8)
+                del x
+                print(fraction, "allocated")
+            except torch.cuda.OutOfMemoryError:
+                print(fraction, "out of memory")
     """)
     assert result.returncode == 0, result.stderr
-    assert "out of memory" in result.stdout, result.stdout
+    for line in ("1e-09 out of memory", "0 out of memory", "1 allocated"):
+        assert line in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("call", [

@@ -109,7 +109,7 @@ def main():
                 raise
             counts["ooms"] += 1  # it could not fit even with spilling: allowed, but must not leak
         finally:
-            spillway.set_per_process_memory_fraction(0.0)
+            spillway.set_per_process_memory_fraction(1.0)  # the whole device again
         del reference  # the step's tensors are gone now: memory must be back at its baseline
         spillway.synchronize()
         after = spillway.memory_stats()
