@@ -15,8 +15,8 @@ namespace spillway::torch_layer {
 enum class Mode { kNone, kSim, kCuda };
 
 // Why the saved-tensor hooks keep a tensor as it is (besides the engine's own reasons).
-inline constexpr const char* kTorchSkipReasons[] = {"undefined", "layout",     "subclass",
-                                                    "quantized", "no_storage", "other_device"};
+inline constexpr const char* kTorchSkipReasons[] = {
+    "undefined", "nested", "layout", "subclass", "quantized", "no_storage", "other_device"};
 
 class Runtime {
  public:

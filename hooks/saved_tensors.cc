@@ -23,6 +23,9 @@ int DeviceIndexOf(const at::Tensor& t) {
 // Why Spillway keeps `t` as it is, or empty when it can manage it.
 const char* SkipReason(const at::Tensor& t, const Runtime& runtime) {
   if (!t.defined()) return "undefined";
+  // Before anything that reads sizes or strides, which nested tensors refuse (their layout
+  // reads as strided in some releases).
+  if (t.is_nested()) return "nested";
   if (t.layout() != at::kStrided) return "layout";
   if (t.key_set().has(c10::DispatchKey::Python)) return "subclass";
   if (t.is_quantized()) return "quantized";

@@ -190,6 +190,29 @@ def test_subclasses_and_foreign_tensors_are_kept_and_counted():
     assert torch.equal(x.grad, 2 * x.detach())
 
 
+@pytest.mark.parametrize("policy", ["off", "eager", "auto"])
+def test_nested_tensors_are_kept_and_counted(policy):
+    """Nested tensors refuse sizes(): pack must keep them as they are (it raised "NestedTensorImpl
+    doesn't support sizes" in every policy), and their gradients stay those of a plain run."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 32)
+    parts = [torch.randn(3, 32), torch.randn(5, 32)]
+
+    def grads(offload):
+        lin.zero_grad()
+        nt = torch.nested.nested_tensor(parts, requires_grad=True)
+        with offload:
+            loss = torch.nested.to_padded_tensor(lin(nt), 0.0).sum()
+        loss.backward()
+        return [lin.weight.grad.clone(), lin.bias.grad.clone()]
+
+    reference = grads(contextlib.nullcontext())
+    skipped = stat("spillway.skipped.nested")
+    got = grads(spillway.offload(policy, min_bytes=0))
+    assert stat("spillway.skipped.nested") > skipped
+    assert all(torch.equal(a, b) for a, b in zip(got, reference))
+
+
 def test_small_storages_are_skipped_with_a_reason():
     skipped = stat("spillway.skipped.small")
     x = torch.randn(8, 8, requires_grad=True)
