@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
-#include <atomic>
 #include <sstream>
 
 #include "allocator/errors.h"
@@ -12,9 +11,6 @@
 
 namespace spillway::torch_layer {
 namespace {
-
-// Forward (saving) or backward (unpacking): the first unpack after saves starts backward.
-std::atomic<bool> in_backward{false};
 
 int DeviceIndexOf(const at::Tensor& t) {
   return t.is_cuda() ? static_cast<int>(t.get_device()) : 0;
@@ -91,7 +87,6 @@ at::Tensor SavedHandle::Unpack() const {
   if (conj_) out._set_conj(true);
   if (neg_) out._set_neg(true);
   const StreamRef consumer = runtime.CurrentStream(storage->device());
-  if (!in_backward.exchange(true)) engine.BackwardStart(consumer);
   try {
     engine.Acquire(id_, consumer);
     if (runtime.host_consumers()) engine.WaitResident(id_);
@@ -110,7 +105,6 @@ at::Tensor SavedHandle::Unpack() const {
 std::shared_ptr<SavedHandle> Pack(const at::Tensor& tensor) {
   Runtime& runtime = Runtime::Get();
   OffloadEngine& engine = runtime.engine();
-  in_backward = false;
   if (const char* reason = SkipReason(tensor, runtime)) {
     engine.CountSkip(reason);
     return std::make_shared<SavedHandle>(tensor);

@@ -47,7 +47,7 @@ class SavedHandle {
 // pack_hook / unpack_hook bodies. `Pack` counts why a tensor is kept as it is.
 std::shared_ptr<SavedHandle> Pack(const at::Tensor& tensor);
 at::Tensor Unpack(const SavedHandle& handle);
-// Phase signals (the offload context manager's exit; the first unpack calls BackwardStart).
+// Phase signal: the offload context manager's exit.
 void ForwardEnd();
 
 }  // namespace spillway::torch_layer

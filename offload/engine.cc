@@ -119,6 +119,10 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
     if (nbytes < config_.min_bytes) {
       entry->policy_refused = true;
       CountSkip(kSkipSmall);
+    } else {
+      sized_[entry->seq] = entry.get();
+      // A save under "off" is never spilled by a policy (saved_under_off, below).
+      if (config_.policy != OffloadPolicy::kOff) spill_candidates_[entry->seq] = entry.get();
     }
     by_seq_[entry->seq] = entry.get();
     it = entries_.emplace(key, std::move(entry)).first;
@@ -172,6 +176,9 @@ void OffloadEngine::Drop(Entry& e) {
   DiscardCopies(e);
   if (e.copy_done != nullptr) Device(e.device).spare.push_back(e.copy_done);
   by_seq_.erase(e.seq);
+  spill_candidates_.erase(e.seq);
+  sized_.erase(e.seq);
+  offloaded_.erase(e.seq);
   --stats_.num_entries;
   entries_.erase(e.key);  // destroys `e`, releasing the engine's hold on the storage
 }
@@ -297,6 +304,11 @@ bool OffloadEngine::Eligible(const Entry& e) const {
          e.storage->data() != nullptr && e.storage->external_holders() == 0;
 }
 
+bool OffloadEngine::PolicyMaySpill(const Entry& e) {
+  return e.state == Residency::kResident && !e.policy_refused && !e.acquired && !e.prefetched &&
+         !e.saved_under_off;
+}
+
 bool OffloadEngine::Spill(Entry& e) {
   DeviceContext& dc = Device(e.device);
   absl::StatusOr<void*> host = absl::UnknownError("not tried");
@@ -339,6 +351,7 @@ bool OffloadEngine::Spill(Entry& e) {
   // must be able to fail this entry too.
   e.host = *host;
   e.state = Residency::kSpilling;
+  offloaded_[e.seq] = &e;
   e.acquired = false;
   ++e.spill_count;
   e.last_spill_us = NowMicros();

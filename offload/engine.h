@@ -113,10 +113,10 @@ class OffloadEngine {
   // spilled when that is possible, so a later call may succeed).
   void* Acquire(KeeperId id, StreamRef consumer);
 
-  // Phase signals from the hooks: forward ended (eager spills everything eligible), backward
-  // started (prefetch begins on `consumer`).
+  // Phase signal from the hooks: forward ended (eager spills everything eligible). Backward needs
+  // none: each Acquire prefetches the saves older than its own, which backward reads next (and
+  // never the newer saves of another graph, whose backward may come later or never).
   void ForwardEnd();
-  void BackwardStart(StreamRef consumer);
   // Runs the spill policy now (the hooks call it after each save).
   void RunPolicy();
   // Out-of-memory rescue: spills eligible entries on `device`, waiting for their copies, until
@@ -164,6 +164,9 @@ class OffloadEngine {
   // until it has. A failed copy makes the entry kFailed.
   void Refresh(Entry& e, bool wait = false);
   bool Eligible(const Entry& e) const;
+  // Whether a policy may still spill `e` some day (it may be held by the program now). Once
+  // false, false for good: a policy never spills a storage again once it came back.
+  static bool PolicyMaySpill(const Entry& e);
   void MarkFailed(Entry& e, const std::string& why);
   void FailInFlight(int device, Residency in_flight, const std::string& why);
   void OnStreamError(const StreamError& error);
@@ -193,6 +196,18 @@ class OffloadEngine {
   absl::flat_hash_map<const void*, std::unique_ptr<Entry>> entries_;
   absl::flat_hash_map<KeeperId, Entry*> keepers_;
   absl::btree_map<uint64_t, Entry*> by_seq_;  // save order
+  // Parts of by_seq_, so that what runs at every save or unpack visits only entries it may act
+  // on (a walk over all of them made a long graph's bookkeeping quadratic). Visits go by seq
+  // cursor, not iterator: a spill or reload can run the rescue, which changes these maps.
+  // Entries a policy may spill (PolicyMaySpill); pruned lazily, by the walks that find one no
+  // longer may.
+  absl::btree_map<uint64_t, Entry*> spill_candidates_;
+  // Entries at least as large as the min_bytes in force at their save: the prefetch window
+  // that `auto` keeps resident counts them (storages too small to spill are resident anyway).
+  absl::btree_map<uint64_t, Entry*> sized_;
+  // Entries whose bytes went to the host (spilling or spilled): what prefetch can bring back.
+  // Pruned lazily too.
+  absl::btree_map<uint64_t, Entry*> offloaded_;
   uint64_t next_seq_ = 1;
   KeeperId next_keeper_ = 1;
   size_t prefetched_bytes_ = 0;  // reloaded ahead of use, not yet acquired

@@ -14,12 +14,18 @@ namespace spillway {
 void OffloadEngine::Prefetch(uint64_t before_seq, StreamRef consumer) {
   // Under "off" too: saves spilled by an inner block come back ahead of use all the same.
   if (config_.prefetch_bytes == 0) return;
-  auto it = by_seq_.lower_bound(before_seq);
-  while (it != by_seq_.begin() && prefetched_bytes_ < config_.prefetch_bytes) {
+  uint64_t cursor = before_seq;  // newest first, from just below `before_seq`
+  while (prefetched_bytes_ < config_.prefetch_bytes) {
+    auto it = offloaded_.lower_bound(cursor);
+    if (it == offloaded_.begin()) break;
     --it;
+    cursor = it->first;
     Entry& e = *it->second;
     Refresh(e);
-    if (e.state != Residency::kSpilled && e.state != Residency::kSpilling) continue;
+    if (e.state != Residency::kSpilled && e.state != Residency::kSpilling) {
+      offloaded_.erase(cursor);  // reloaded on demand, or failed
+      continue;
+    }
     // Never prefetch past the budget (under "eager" too: the configured fraction of the device
     // limit), so backward's own allocations keep their headroom: a prefetch is a guess, and
     // reloads that fill the device would make backward run out of memory, or spill them again.
@@ -30,6 +36,7 @@ void OffloadEngine::Prefetch(uint64_t before_seq, StreamRef consumer) {
     } catch (const std::exception&) {
       break;  // prefetch is best effort; Acquire will retry and report
     }
+    offloaded_.erase(cursor);
     e.prefetched = true;
     prefetched_bytes_ += e.nbytes;
   }
@@ -40,21 +47,21 @@ void OffloadEngine::ForwardEnd() {
   RunPolicy();
 }
 
-void OffloadEngine::BackwardStart(StreamRef consumer) {
-  EngineLock lock(mutex_);
-  Prefetch(next_seq_, consumer);
-}
-
 void OffloadEngine::RunPolicy() {
   EngineLock lock(mutex_);
   if (in_policy_) return;
   PolicyScope scope(in_policy_);
   if (config_.policy == OffloadPolicy::kEager) {
-    for (auto& [seq, entry] : by_seq_) {
-      Entry& e = *entry;
-      if (!e.policy_refused && !e.acquired && !e.prefetched && Eligible(e)) {
-        if (!Spill(e)) e.policy_refused = true;
+    // What stays a candidate is what the program still holds: a few tensors, not the graph.
+    for (auto it = spill_candidates_.begin(); it != spill_candidates_.end();) {
+      const uint64_t seq = it->first;
+      Entry& e = *it->second;
+      if (!PolicyMaySpill(e)) {
+        spill_candidates_.erase(seq);
+      } else if (Eligible(e) && !Spill(e)) {
+        e.policy_refused = true;
       }
+      it = spill_candidates_.upper_bound(seq);
     }
   } else if (config_.policy == OffloadPolicy::kAuto) {
     for (int d = 0; d < static_cast<int>(devices_.size()); ++d) SpillToBudget(d, 0);
@@ -71,32 +78,47 @@ void OffloadEngine::SpillToBudget(int device, size_t incoming_bytes) {
 }
 
 size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool include_window) {
-  // The newest entries (up to the prefetch window) are needed first in backward: keep them.
-  uint64_t window_start = next_seq_;
-  if (!include_window) {
-    size_t window = 0;
-    // Newest first. An iterator loop: absl::btree_map is not a std::ranges range under clang.
-    // NOLINTNEXTLINE(modernize-loop-convert)
-    for (auto it = by_seq_.rbegin(); it != by_seq_.rend(); ++it) {
-      if (it->second->device != device) continue;
-      window += it->second->nbytes;
-      if (window > config_.prefetch_bytes) break;
-      window_start = it->first;
-    }
-  }
   size_t released = 0;
-  for (auto& [seq, entry] : by_seq_) {
-    if (seq >= window_start) break;
-    if (AllocatedBytes(device) <= target_allocated) break;
-    Entry& e = *entry;
-    if (e.device != device || !Eligible(e)) continue;
-    if (!include_window && (e.policy_refused || e.acquired || e.prefetched)) continue;
+  const auto spill = [&](Entry& e) {
     if (e.prefetched) {
       prefetched_bytes_ -= e.nbytes;
       e.prefetched = false;
     }
     const auto info = allocator_.Lookup(e.storage->data());
     if (Spill(e)) released += info ? info->size : e.nbytes;
+  };
+  if (include_window) {
+    // The rescue (an allocation would fail otherwise): any eligible entry, oldest first, the
+    // ones a policy would keep included. Rare enough to visit every entry.
+    for (auto& [seq, entry] : by_seq_) {
+      if (AllocatedBytes(device) <= target_allocated) break;
+      if (entry->device == device && Eligible(*entry)) spill(*entry);
+    }
+    return released;
+  }
+  // The newest entries (up to the prefetch window) are needed first in backward: keep them. At
+  // most prefetch_bytes / min_bytes entries to visit.
+  uint64_t window_start = next_seq_;
+  size_t window = 0;
+  // Newest first. An iterator loop: absl::btree_map is not a std::ranges range under clang.
+  // NOLINTNEXTLINE(modernize-loop-convert)
+  for (auto it = sized_.rbegin(); it != sized_.rend(); ++it) {
+    if (it->second->device != device) continue;
+    window += it->second->nbytes;
+    if (window > config_.prefetch_bytes) break;
+    window_start = it->first;
+  }
+  for (auto it = spill_candidates_.begin();
+       it != spill_candidates_.end() && it->first < window_start;) {
+    if (AllocatedBytes(device) <= target_allocated) break;
+    const uint64_t seq = it->first;
+    Entry& e = *it->second;
+    if (!PolicyMaySpill(e)) {
+      spill_candidates_.erase(seq);
+    } else if (e.device == device && Eligible(e)) {
+      spill(e);
+    }
+    it = spill_candidates_.upper_bound(seq);
   }
   return released;
 }

@@ -96,7 +96,7 @@ enum Op : uint8_t {
   kSetHolders,
   kRunPolicy,
   kForwardEnd,
-  kBackwardStart,
+  kTrimHostMemory,
   kAcquire,
   kRemoveKeeper,
   kReleaseMemory,
@@ -193,12 +193,10 @@ class Harness {
         fuzz::Trace("ForwardEnd");
         engine_->ForwardEnd();
         break;
-      case kBackwardStart: {
-        const int stream = in.ConsumeIntegralInRange<int>(0, 1);
-        fuzz::Trace("BackwardStart stream %d", stream);
-        engine_->BackwardStart(streams_[stream]);
+      case kTrimHostMemory:
+        fuzz::Trace("TrimHostMemory");
+        engine_->TrimHostMemory();
         break;
-      }
       case kAcquire:
         if (!items_.empty()) Acquire(in);
         break;

@@ -188,7 +188,7 @@ TEST_F(OffloadPolicyTest, OffloadPrefetchStopsAtTheBudgetUnderEagerToo) {
   engine_->ForwardEnd();
   engine_->Synchronize();
   ASSERT_EQ(AllocStat("allocated_bytes.all.current"), 0);
-  engine_->BackwardStart(compute_);
+  engine_->Acquire(ids[7], compute_);  // backward's first read: the rest is prefetched
   engine_->Synchronize();
   const auto budget = static_cast<int64_t>(engine_->budget_bytes(0));
   EXPECT_EQ(budget, static_cast<int64_t>(0.8 * 64 * kMiB));
@@ -218,19 +218,42 @@ TEST_F(OffloadPolicyTest, OffloadPrefetchReloadsAheadInReverseSaveOrder) {
   }
   engine_->ForwardEnd();
   engine_->Synchronize();
-  engine_->BackwardStart(compute_);
-  // The two newest (4 MiB) are reloading or resident, the rest still spilled.
-  EXPECT_NE(StateOf(saved[5]), Residency::kSpilled);
+  // Backward's first read waits for its own reload and starts the two older ones (4 MiB).
+  void* first = engine_->Acquire(ids[5], compute_);
+  EXPECT_EQ(ReadOn(compute_, first, 2 * kMiB), Pattern(2 * kMiB, 5));
   EXPECT_NE(StateOf(saved[4]), Residency::kSpilled);
-  EXPECT_EQ(StateOf(saved[3]), Residency::kSpilled);
+  EXPECT_NE(StateOf(saved[3]), Residency::kSpilled);
+  EXPECT_EQ(StateOf(saved[2]), Residency::kSpilled);
   engine_->Synchronize();
-  for (int i = 5; i >= 0; --i) {
+  for (int i = 4; i >= 0; --i) {
     void* ptr = engine_->Acquire(ids[static_cast<size_t>(i)], compute_);
     EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, static_cast<uint32_t>(i)));
     engine_->Synchronize();  // let each prefetch finish before the next ask
   }
-  EXPECT_EQ(EngineStat("num_prefetch_hits"), 6);
-  EXPECT_EQ(EngineStat("num_stalls"), 0);
+  EXPECT_EQ(EngineStat("num_prefetch_hits"), 5);
+  EXPECT_EQ(EngineStat("num_stalls"), 1);
+}
+
+// Two graphs saved one after the other (F0, F1, then B0): backward of the older one prefetches
+// its own saves, never the newer graph's, which would sit on the device until B1 (or forever,
+// if that graph is dropped).
+TEST_F(OffloadPolicyTest, OffloadPrefetchLeavesANewerGraphSpilled) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 64 * kMiB;  // room for both graphs
+  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  std::vector<std::shared_ptr<TestStorage>> saved;
+  std::vector<KeeperId> ids;
+  for (uint32_t i = 0; i < 6; ++i) {  // 0..2: the first graph, 3..5: the second
+    saved.push_back(NewStorage(2 * kMiB, i));
+    ids.push_back(Save(saved.back()));
+    saved.back()->holders = 0;
+  }
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  engine_->Acquire(ids[2], compute_);  // the first graph's backward begins
+  engine_->Synchronize();
+  for (size_t i = 0; i < 2; ++i) EXPECT_EQ(StateOf(saved[i]), Residency::kResident) << i;
+  for (size_t i = 3; i < 6; ++i) EXPECT_EQ(StateOf(saved[i]), Residency::kSpilled) << i;
 }
 
 }  // namespace
