@@ -1,6 +1,7 @@
 """The public functions of `spillway`; argument checks happen here, the work in `spillway._C`."""
 
 import contextlib
+import numbers
 import os
 import threading
 
@@ -191,7 +192,8 @@ def empty_cache():
 def set_per_process_memory_fraction(fraction, device=0):
     """Limits Spillway's reserved memory on `device` to this fraction of the device's total, as
     torch.cuda.set_per_process_memory_fraction does: 0 allows no new memory, 1 the whole device."""
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+    # numbers.Real: numpy's floats too (np.float32(0.5) was refused as "not in [0, 1]").
+    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
         raise ValueError(f"fraction must be a number in [0, 1], got {fraction!r}")
     # As in PyTorch, 0 or a tiny fraction is a limit nothing new fits under (the core keeps at
     # least one byte, as a limit of 0 bytes would mean none); NaN fails every comparison.

@@ -85,7 +85,8 @@ def summary(snapshot, top=10):
     blocks.sort(key=lambda item: -item[0]["size"])
     lines.append(f"Largest blocks ({min(top, len(blocks))} of {len(blocks)} active):")
     for b, s in blocks[:top]:
-        note = annotated.get(b["address"])
+        # Snapshots of older PyTorch releases name no block addresses: no annotation then.
+        note = annotated.get(b.get("address"))
         who = _keepers_text(note["keepers"], note["external_holders"]) if note else \
             "not saved for backward"
         where = ""
@@ -182,9 +183,22 @@ def main(argv=None):
                   "spillway.dump_snapshot)", file=sys.stderr)
             return 2
         snaps.append(snap)
+    texts = []
     for path, snap in zip(args.snapshots, snaps):
+        # The right keys with the wrong contents (a hand-made or damaged file): one line, as for
+        # a file that is no snapshot at all, rather than a traceback.
+        try:
+            texts.append(summary(snap))
+            series(snap)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+            what = f"missing key {error}" if isinstance(error, KeyError) else error
+            print(f"{parser.prog}: error: {path} is not a memory snapshot this tool can read "
+                  f"({type(error).__name__}: {what}); write one with spillway.dump_snapshot",
+                  file=sys.stderr)
+            return 2
+    for path, text in zip(args.snapshots, texts):
         print(f"== {path}")
-        print(summary(snap))
+        print(text)
         print()
     labels = ["first", "second"] if len(snaps) == 2 else [""]
     if len(snaps) == 2:

@@ -135,9 +135,9 @@ def test_a_zero_or_tiny_fraction_leaves_nothing_to_allocate_and_one_gives_it_bac
     """As in PyTorch: 0, or a fraction too small for any allocation, leaves nothing to allocate
     (0 used to remove the limit, and a tiny fraction rounded to that); 1 is the whole device."""
     result = run_script("""
-        import torch, spillway
+        import numpy, torch, spillway
         spillway.install("sim", capacity_bytes=64 << 20)
-        for fraction in (1e-9, 0, 1):
+        for fraction in (1e-9, 0, 1, numpy.float32(0.5)):
             spillway.set_per_process_memory_fraction(fraction)
             try:
                 x = torch.empty(256 << 10, dtype=torch.uint8)
@@ -147,7 +147,7 @@ def test_a_zero_or_tiny_fraction_leaves_nothing_to_allocate_and_one_gives_it_bac
                 print(fraction, "out of memory")
     """)
     assert result.returncode == 0, result.stderr
-    for line in ("1e-09 out of memory", "0 out of memory", "1 allocated"):
+    for line in ("1e-09 out of memory", "0 out of memory", "1 allocated", "0.5 allocated"):
         assert line in result.stdout, result.stdout
 
 

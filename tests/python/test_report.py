@@ -110,15 +110,32 @@ def run_report(*args):
                           text=True)
 
 
+def test_blocks_without_addresses_are_summarized():
+    """Snapshots of older PyTorch releases name no block addresses; they read all the same."""
+    snap = {"segments": [{"device": 0, "total_size": 2 << 20, "blocks": [
+        {"size": 1 << 20, "state": "active_allocated"}, {"size": 1 << 20, "state": "inactive"}]}],
+        "device_traces": [[]]}
+    text = report.summary(snap)
+    assert "1.00 MiB  active_allocated     not saved for backward" in text, text
+
+
 def test_command_line_names_a_file_it_cannot_read(tmp_path):
     not_pickle = tmp_path / "notes.txt"
     not_pickle.write_text("hello\n")
     not_snapshot = tmp_path / "list.pickle"
     import pickle
     not_snapshot.write_bytes(pickle.dumps([1, 2, 3]))
+    # The right keys, the wrong contents: each was a traceback with exit status 1.
+    wrong_types = tmp_path / "wrong_types.pickle"
+    wrong_types.write_bytes(pickle.dumps({"segments": 5, "device_traces": "x"}))
+    no_size = tmp_path / "no_size.pickle"
+    no_size.write_bytes(pickle.dumps({"segments": [{"device": 0, "total_size": 1, "blocks": [
+        {"state": "active_allocated"}]}], "device_traces": []}))
     for path, reason in ((tmp_path / "missing.pickle", "No such file or directory"),
                          (not_pickle, "cannot read snapshot"),
-                         (not_snapshot, "is not a memory snapshot")):
+                         (not_snapshot, "is not a memory snapshot"),
+                         (wrong_types, "is not a memory snapshot this tool can read (TypeError"),
+                         (no_size, "missing key 'size'")):
         result = run_report(path, "-o", tmp_path / "out.png")
         assert result.returncode == 2, (path, result.stderr)
         assert "Traceback" not in result.stderr, result.stderr
