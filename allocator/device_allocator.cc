@@ -141,7 +141,8 @@ BlockId DeviceAllocator::AskHolders(PoolKind kind, StreamRef stream, size_t roun
   BlockId block = kNoBlock;
   while (block == kNoBlock && !callbacks.empty()) {
     // The holders free through this allocator: the lock must not be held.
-    const auto allocated_before = stats_.allocated_bytes.all().current;
+    // Bytes freed so far: grows with every free, whatever other threads allocate meanwhile.
+    const auto freed_before = stats_.allocated_bytes.all().freed;
     lock.unlock();
     size_t released = 0;
     for (const FreeMemoryCallback& callback : callbacks) {
@@ -154,9 +155,9 @@ BlockId DeviceAllocator::AskHolders(PoolKind kind, StreamRef stream, size_t roun
     block = FindFree(kind, stream, rounded);
     if (block == kNoBlock) block = AllocSegment(kind, stream, rounded);
     if (block == kNoBlock) block = Reclaim(kind, stream, rounded);
-    // Nothing given back (by their word, or by the allocated bytes: a holder that says it freed
+    // Nothing given back (by their word, or by the freed bytes: a holder that says it freed
     // memory but did not must not keep this loop going): asking again cannot help.
-    if (released == 0 || stats_.allocated_bytes.all().current >= allocated_before) break;
+    if (released == 0 || stats_.allocated_bytes.all().freed <= freed_before) break;
     ask = ask > std::numeric_limits<size_t>::max() / 2 ? ask : ask * 2;
   }
   return block;

@@ -38,10 +38,14 @@ void Runtime::Install(const std::string& device, const std::string& conf, size_t
     }
     base.sim_capacity_bytes = capacity_bytes;
   }
-  const std::string call = capacity_bytes == 0
-                               ? absl::StrFormat("device=%s, conf=\"%s\"", device, conf)
-                               : absl::StrFormat("device=%s, capacity_bytes=%d, conf=\"%s\"",
-                                                 device, capacity_bytes, conf);
+  // The capacity joins the configuration text as its key, so that installs naming it either way
+  // are the same install (and the second a no-op), as they configure the same device.
+  std::string text = conf;
+  if (capacity_bytes != 0) {
+    const std::string key = absl::StrFormat("capacity_mb:%d", capacity_bytes / kMiB);
+    text = text.empty() ? key : text + "," + key;
+  }
+  const std::string call = absl::StrFormat("device=%s, conf=\"%s\"", device, text);
   std::lock_guard lock(mutex_);
   if (mode_ != Mode::kNone) {
     if (call == install_call_) return;

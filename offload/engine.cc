@@ -40,6 +40,7 @@ void OffloadEngine::Note(OffloadEvent::Kind kind, const Entry& e) {
 OffloadEngine::OffloadEngine(CachingAllocator& allocator, const OffloadConfig& config)
     : allocator_(allocator), backend_(allocator.backend()), config_(config) {
   devices_.resize(static_cast<size_t>(allocator_.device_count()));
+  windows_.resize(devices_.size());
   oom_callback_id_ = allocator_.AddFreeMemoryCallback(
       [this](int device, size_t bytes) { return ReleaseMemory(device, bytes); });
   allocator_.SetPressureHandler(
@@ -120,7 +121,7 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
       entry->policy_refused = true;
       CountSkip(kSkipSmall);
     } else {
-      sized_[entry->seq] = entry.get();
+      WindowAdd(*entry);
       // A save under "off" is never spilled by a policy (saved_under_off, below).
       if (config_.policy != OffloadPolicy::kOff) spill_candidates_[entry->seq] = entry.get();
     }
@@ -177,7 +178,7 @@ void OffloadEngine::Drop(Entry& e) {
   if (e.copy_done != nullptr) Device(e.device).spare.push_back(e.copy_done);
   by_seq_.erase(e.seq);
   spill_candidates_.erase(e.seq);
-  sized_.erase(e.seq);
+  WindowRemove(e);
   offloaded_.erase(e.seq);
   --stats_.num_entries;
   entries_.erase(e.key);  // destroys `e`, releasing the engine's hold on the storage
@@ -292,6 +293,9 @@ void OffloadEngine::Refresh(Entry& e, bool wait) {
     return;
   }
   e.state = Residency::kResident;
+  // Brought back by a prefetch or an Acquire, it is marked so and stays off the candidates; should
+  // a path ever leave it unmarked, it is a candidate again, as it was before its spill.
+  if (PolicyMaySpill(e)) spill_candidates_.try_emplace(e.seq, &e);
   if (e.stall_since_us != 0) {
     stats_.stall_us += NowMicros() - e.stall_since_us;
     e.stall_since_us = 0;
@@ -430,6 +434,9 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
       if (e.prefetched) ++stats_.num_prefetch_hits;
       break;
   }
+  // Acquired from here on, whatever the waits below do: an entry brought back is never spilled
+  // by a policy again (PolicyMaySpill), and must not pass for one that was never used.
+  e.acquired = true;
   if (e.prefetched) {
     prefetched_bytes_ -= e.nbytes;
     e.prefetched = false;
@@ -441,7 +448,6 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
   if (consumer.id != e.block_stream.id) {
     allocator_.RecordStream(e.storage->data(), consumer);
   }
-  e.acquired = true;
   e.acquiring = true;
   try {
     Prefetch(e.seq, consumer);
@@ -486,6 +492,12 @@ void OffloadEngine::Synchronize() {
     }
   }
   for (auto& [seq, entry] : by_seq_) Refresh(*entry);
+}
+
+const void* OffloadEngine::window_oldest_for_testing(int device) const {
+  EngineLock lock(mutex_);
+  const Window& w = windows_.at(static_cast<size_t>(device));
+  return w.start == Window::kEmpty ? nullptr : w.sized.at(w.start)->key;
 }
 
 StreamRef OffloadEngine::h2d_stream_for_testing(int device) {

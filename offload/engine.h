@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -153,6 +154,8 @@ class OffloadEngine {
   void set_skip_consumer_wait_for_testing(bool skip) { skip_consumer_wait_ = skip; }
   // Testing only: the engine's host-to-device copy stream on `device`, so a test can hold it.
   StreamRef h2d_stream_for_testing(int device);
+  // Testing only: the key of the oldest entry in `device`'s prefetch window (null when empty).
+  const void* window_oldest_for_testing(int device) const;
 
  private:
   struct Entry;
@@ -164,8 +167,9 @@ class OffloadEngine {
   // until it has. A failed copy makes the entry kFailed.
   void Refresh(Entry& e, bool wait = false);
   bool Eligible(const Entry& e) const;
-  // Whether a policy may still spill `e` some day (it may be held by the program now). Once
-  // false, false for good: a policy never spills a storage again once it came back.
+  // Whether a policy may still spill `e` some day (it may be held by the program now). A spill
+  // makes it false, and a storage that came back is marked acquired or prefetched, so it stays
+  // false: a policy never spills a storage twice (the out-of-memory rescue may).
   static bool PolicyMaySpill(const Entry& e);
   void MarkFailed(Entry& e, const std::string& why);
   void FailInFlight(int device, Residency in_flight, const std::string& why);
@@ -202,9 +206,21 @@ class OffloadEngine {
   // Entries a policy may spill (PolicyMaySpill); pruned lazily, by the walks that find one no
   // longer may.
   absl::btree_map<uint64_t, Entry*> spill_candidates_;
-  // Entries at least as large as the min_bytes in force at their save: the prefetch window
-  // that `auto` keeps resident counts them (storages too small to spill are resident anyway).
-  absl::btree_map<uint64_t, Entry*> sized_;
+  // Per device, the prefetch window that `auto` keeps resident: the newest entries of at least
+  // the min_bytes in force at their save (storages too small to spill are resident anyway) whose
+  // bytes add up to at most prefetch_bytes. Every budget check needs it, so it follows the
+  // entries as they come and go rather than be summed again each time.
+  struct Window {
+    static constexpr uint64_t kEmpty = std::numeric_limits<uint64_t>::max();
+    absl::btree_map<uint64_t, Entry*> sized;  // the device's entries of at least min_bytes
+    uint64_t start = kEmpty;                  // seq of the oldest entry in the window
+    size_t bytes = 0;                         // bytes of the entries in the window
+  };
+  std::vector<Window> windows_;
+  void WindowAdd(Entry& e);
+  void WindowRemove(const Entry& e);
+  // Takes in older entries while they fit (after the window lost bytes, or from nothing).
+  void WindowExtend(Window& w) const;
   // Entries whose bytes went to the host (spilling or spilled): what prefetch can bring back.
   // Pruned lazily too.
   absl::btree_map<uint64_t, Entry*> offloaded_;

@@ -80,12 +80,13 @@ void OffloadEngine::SpillToBudget(int device, size_t incoming_bytes) {
 size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool include_window) {
   size_t released = 0;
   const auto spill = [&](Entry& e) {
+    const auto info = allocator_.Lookup(e.storage->data());
+    if (!Spill(e)) return;  // still resident, a prefetch still (PolicyMaySpill stays false)
+    released += info ? info->size : e.nbytes;
     if (e.prefetched) {
       prefetched_bytes_ -= e.nbytes;
       e.prefetched = false;
     }
-    const auto info = allocator_.Lookup(e.storage->data());
-    if (Spill(e)) released += info ? info->size : e.nbytes;
   };
   if (include_window) {
     // The rescue (an allocation would fail otherwise): any eligible entry, oldest first, the
@@ -96,18 +97,9 @@ size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool incl
     }
     return released;
   }
-  // The newest entries (up to the prefetch window) are needed first in backward: keep them. At
-  // most prefetch_bytes / min_bytes entries to visit.
-  uint64_t window_start = next_seq_;
-  size_t window = 0;
-  // Newest first. An iterator loop: absl::btree_map is not a std::ranges range under clang.
-  // NOLINTNEXTLINE(modernize-loop-convert)
-  for (auto it = sized_.rbegin(); it != sized_.rend(); ++it) {
-    if (it->second->device != device) continue;
-    window += it->second->nbytes;
-    if (window > config_.prefetch_bytes) break;
-    window_start = it->first;
-  }
+  // The newest entries (up to the prefetch window) are needed first in backward: keep them.
+  const Window& w = windows_[static_cast<size_t>(device)];
+  const uint64_t window_start = w.start == Window::kEmpty ? next_seq_ : w.start;
   for (auto it = spill_candidates_.begin();
        it != spill_candidates_.end() && it->first < window_start;) {
     if (AllocatedBytes(device) <= target_allocated) break;
@@ -189,8 +181,59 @@ void OffloadEngine::SetConfig(const OffloadConfig& config) {
   EngineLock lock(mutex_);
   // Entries saved so far keep the minimum size of the block they were saved in (offload blocks
   // nest, and each one sets the configuration as it starts and ends).
+  const bool new_window = config.prefetch_bytes != config_.prefetch_bytes;
   config_ = config;
+  if (new_window) {
+    for (Window& w : windows_) {
+      w.start = Window::kEmpty;
+      w.bytes = 0;
+      WindowExtend(w);
+    }
+  }
   UpdateWatermarks();
+}
+
+void OffloadEngine::WindowAdd(Entry& e) {
+  Window& w = windows_[static_cast<size_t>(e.device)];
+  w.sized[e.seq] = &e;
+  // The newest entry joins the window; the oldest leave while it holds too much.
+  if (w.start == Window::kEmpty) w.start = e.seq;
+  w.bytes += e.nbytes;
+  while (w.bytes > config_.prefetch_bytes) {
+    auto oldest = w.sized.find(w.start);
+    w.bytes -= oldest->second->nbytes;
+    ++oldest;
+    if (oldest == w.sized.end()) {
+      w.start = Window::kEmpty;  // the newest alone is larger than the window
+      w.bytes = 0;
+      break;
+    }
+    w.start = oldest->first;
+  }
+}
+
+void OffloadEngine::WindowRemove(const Entry& e) {
+  Window& w = windows_[static_cast<size_t>(e.device)];
+  if (w.sized.erase(e.seq) == 0) return;
+  if (w.start != Window::kEmpty && e.seq >= w.start) {
+    w.bytes -= e.nbytes;
+    if (e.seq == w.start) {
+      const auto next = w.sized.upper_bound(e.seq);
+      w.start = next == w.sized.end() ? Window::kEmpty : next->first;
+    }
+  }
+  WindowExtend(w);  // room freed inside, or the entry that did not fit is gone
+}
+
+void OffloadEngine::WindowExtend(Window& w) const {
+  while (true) {
+    auto it = w.start == Window::kEmpty ? w.sized.end() : w.sized.find(w.start);
+    if (it == w.sized.begin()) return;
+    --it;
+    if (w.bytes + it->second->nbytes > config_.prefetch_bytes) return;
+    w.bytes += it->second->nbytes;
+    w.start = it->first;
+  }
 }
 
 OffloadConfig OffloadEngine::config() const {

@@ -51,6 +51,23 @@ TEST_F(CApiTest, MallocFreeAndStatsThroughTheAbi) {
   EXPECT_EQ(value, 0);
 }
 
+// PyTorch's set_per_process_memory_fraction reaches a pluggable allocator here: 0 allows no new
+// memory, as in PyTorch (it used to remove the limit), and 1 the whole device again.
+TEST_F(CApiTest, AFractionOfZeroAllowsNoNewMemory) {
+  auto malloc_fn = Get<MallocFn>("spillway_malloc");
+  auto free_fn = Get<FreeFn>("spillway_free");
+  auto fraction_fn = Get<FractionFn>("spillway_set_memory_fraction");
+  Get<EmptyFn>("spillway_empty_cache")();
+  fraction_fn(0.0, 0);
+  EXPECT_EQ(malloc_fn(1 << 20, 0, nullptr), nullptr);
+  EXPECT_NE(std::string(Get<ErrorFn>("spillway_last_error")()).find("out of memory"),
+            std::string::npos);
+  fraction_fn(1.0, 0);
+  void* p = malloc_fn(1 << 20, 0, nullptr);
+  EXPECT_NE(p, nullptr);
+  free_fn(p, 1 << 20, 0, nullptr);
+}
+
 TEST_F(CApiTest, ErrorsBecomeNullAndAMessageNeverACrash) {
   auto malloc_fn = Get<MallocFn>("spillway_malloc");
   auto free_fn = Get<FreeFn>("spillway_free");

@@ -1,4 +1,6 @@
 // Each policy's contract, the out-of-memory rescue and prefetch.
+#include <random>
+
 #include "tests/counting_sim_backend.h"
 #include "tests/offload/engine_fixture.h"
 
@@ -232,6 +234,47 @@ TEST_F(OffloadPolicyTest, OffloadPrefetchReloadsAheadInReverseSaveOrder) {
   }
   EXPECT_EQ(EngineStat("num_prefetch_hits"), 5);
   EXPECT_EQ(EngineStat("num_stalls"), 1);
+}
+
+// The window `auto` keeps resident follows entries as they come and go (each budget check used to
+// sum it again over every entry): at every step it is what that sum gives, the newest entries of
+// at least min_bytes whose bytes add up to at most prefetch_bytes.
+TEST_F(OffloadPolicyTest, OffloadPrefetchWindowFollowsSavesDropsAndSettings) {
+  OffloadConfig config = Policy(OffloadPolicy::kOff);
+  config.min_bytes = kMiB;
+  config.prefetch_bytes = 10 * kMiB;
+  Make(config, 1024 * kMiB, std::chrono::microseconds{0});
+  std::mt19937 rng(7);
+  std::vector<std::pair<std::shared_ptr<TestStorage>, KeeperId>> alive;
+  const auto expected = [&]() -> const void* {
+    const void* oldest = nullptr;
+    size_t bytes = 0;
+    const std::vector<const void*> keys = engine_->EntryKeys();
+    for (auto it = keys.rbegin(); it != keys.rend(); ++it) {
+      const size_t n = engine_->Describe(*it)->nbytes;
+      if (n < kMiB) continue;  // below min_bytes at its save
+      if (bytes + n > config.prefetch_bytes) break;
+      bytes += n;
+      oldest = *it;
+    }
+    return oldest;
+  };
+  for (int step = 0; step < 400; ++step) {
+    const uint32_t op = rng() % 10;
+    if (op < 5 || alive.empty()) {
+      const size_t sizes[] = {kMiB / 2, kMiB, 2 * kMiB, 3 * kMiB, 6 * kMiB, 11 * kMiB};
+      auto s = NewStorage(sizes[rng() % 6], static_cast<uint32_t>(step));
+      alive.emplace_back(s, Save(s));
+    } else if (op < 9) {
+      const size_t i = rng() % alive.size();
+      engine_->RemoveKeeper(alive[i].second);
+      alive.erase(alive.begin() + static_cast<std::ptrdiff_t>(i));
+    } else {
+      config.prefetch_bytes = (rng() % 16) * kMiB;
+      engine_->SetConfig(config);
+    }
+    ASSERT_EQ(engine_->window_oldest_for_testing(0), expected()) << "step " << step;
+  }
 }
 
 // Two graphs saved one after the other (F0, F1, then B0): backward of the older one prefetches

@@ -209,6 +209,23 @@ def test_dump_snapshot_takes_a_pathlike(tmp_path):
     assert path.stat().st_size > 0
 
 
+def test_an_install_naming_the_capacity_either_way_is_the_same_install():
+    result = run_script("""
+        import spillway
+        spillway.install("sim", conf="offload:eager,capacity_mb:64")
+        spillway.install("sim", conf="offload:eager", capacity_bytes=64 << 20)
+        print("same install")
+        try:
+            spillway.install("sim", conf="offload:eager", capacity_bytes=128 << 20)
+        except ValueError as error:
+            print("refused", error)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "same install" in result.stdout, result.stdout
+    assert ('refused spillway is already installed (device=sim, conf="offload:eager,capacity_mb:64")'
+            in result.stdout), result.stdout
+
+
 def test_a_capacity_that_conflicts_with_the_configuration_is_refused():
     result = run_script("""
         import spillway
