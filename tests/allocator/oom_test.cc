@@ -91,8 +91,8 @@ TEST_F(OomTest, HoldersAreAskedForTheLeastSegmentThatServes) {
 // back the allocator asks again (for twice as much each time), until the request fits.
 TEST_F(OomTest, HoldersAreAskedAgainWhileTheyGiveMemoryBack) {
   Reset(AllocatorConfig{}, 40 * kMiB);  // two 20 MiB segments, four 5 MiB blocks in each
-  std::vector<void*> blocks;
-  for (int i = 0; i < 8; ++i) blocks.push_back(Alloc(5 * kMiB));
+  std::vector<void*> blocks(8);
+  for (void*& b : blocks) b = Alloc(5 * kMiB);
   ASSERT_EQ(Stat("segment.all.current"), 2);
   std::sort(blocks.begin(), blocks.end());  // blocks[0..3] in one segment, [4..7] in the other
   // One block a call, never two neighbours until the fifth: only then do 12 MiB lie in one piece.

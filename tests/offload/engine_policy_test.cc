@@ -1,4 +1,5 @@
 // Each policy's contract, the out-of-memory rescue and prefetch.
+#include <algorithm>
 #include <random>
 
 #include "tests/counting_sim_backend.h"
@@ -249,13 +250,14 @@ TEST_F(OffloadPolicyTest, OffloadPrefetchWindowFollowsSavesDropsAndSettings) {
   const auto expected = [&]() -> const void* {
     const void* oldest = nullptr;
     size_t bytes = 0;
-    const std::vector<const void*> keys = engine_->EntryKeys();
-    for (auto it = keys.rbegin(); it != keys.rend(); ++it) {
-      const size_t n = engine_->Describe(*it)->nbytes;
+    std::vector<const void*> keys = engine_->EntryKeys();
+    std::reverse(keys.begin(), keys.end());  // newest first
+    for (const void* key : keys) {
+      const size_t n = engine_->Describe(key)->nbytes;
       if (n < kMiB) continue;  // below min_bytes at its save
       if (bytes + n > config.prefetch_bytes) break;
       bytes += n;
-      oldest = *it;
+      oldest = key;
     }
     return oldest;
   };
