@@ -1,7 +1,7 @@
 // Fuzzes the offload engine's spill/reload round trip. The input picks a policy (off, eager,
 // auto) and its knobs, then runs a program on a 32 MiB simulated device with two streams: new
 // storages with random contents (up to 1 MiB), more views of a storage, the program letting go
-// of a storage or taking it back, policy runs, forward end, backward start, acquires from
+// of a storage or taking it back, policy runs, forward end, pinned-memory trims, acquires from
 // either stream, keeper removal, the out-of-memory rescue, synchronisation, scratch allocations
 // that put the device under pressure, configuration changes, and streams held busy so that
 // copies provably have not run yet.
