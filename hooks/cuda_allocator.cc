@@ -157,13 +157,9 @@ class SpillwayCudaAllocator final : public Base {
   std::string name() { return "spillway"; }
 
   // --- cache and limits ---
-  // As spillway.empty_cache(): the pinned host chunks no spilled data uses go back too (the
-  // runtime's engine serves this allocator whenever there is one).
+  // As spillway.empty_cache(): the pinned host chunks no spilled data uses go back too.
   void emptyCache() {
-    Guard([&] {
-      alloc_.EmptyCache();
-      if (OffloadEngine* engine = Runtime::Get().engine_if_created()) engine->TrimHostMemory();
-    });
+    Guard([&] { Runtime::Get().EmptyCache(alloc_); });
   }
   void emptyCache(MempoolId id) {
     CheckDefaultPool(id);

@@ -162,7 +162,10 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("reset_accumulated_stats",
         [](int device) { tl::Runtime::Get().allocator().ResetAccumulatedStats(device); });
-  m.def("empty_cache", [] { tl::Runtime::Get().EmptyCache(); });
+  m.def("empty_cache", [] {
+    tl::Runtime& runtime = tl::Runtime::Get();
+    runtime.EmptyCache(runtime.allocator());
+  });
   m.def("synchronize", [] {
     if (sw::OffloadEngine* engine = tl::Runtime::Get().engine_if_created()) engine->Synchronize();
   });

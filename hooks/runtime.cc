@@ -108,8 +108,8 @@ OffloadEngine* Runtime::engine_if_created() {
   return engine_.get();
 }
 
-void Runtime::EmptyCache() {
-  allocator().EmptyCache();
+void Runtime::EmptyCache(CachingAllocator& allocator) {
+  allocator.EmptyCache();
   if (OffloadEngine* engine = engine_if_created()) engine->TrimHostMemory();
 }
 

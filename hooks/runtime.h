@@ -34,9 +34,10 @@ class Runtime {
   // Created on first use with the installed configuration's offload settings.
   OffloadEngine& engine();
   OffloadEngine* engine_if_created();
-  // Empties the allocator's cache and gives back the pinned host chunks no spilled data uses:
-  // spillway.empty_cache() (torch.cuda.empty_cache() does the same through the c10 adapter).
-  void EmptyCache();
+  // Empties `allocator`'s cache and gives back the pinned host chunks no spilled data uses, if
+  // the engine exists: spillway.empty_cache() and torch.cuda.empty_cache() through the c10
+  // adapter (whose allocator is the installed one; a benchmark's adapter has no engine).
+  void EmptyCache(CachingAllocator& allocator);
   const Config& config() const { return config_; }
   // The stream torch work on `device` goes to now: the default stream on the simulated device
   // (CPU kernels run on the host), the current CUDA stream otherwise.

@@ -293,9 +293,6 @@ void OffloadEngine::Refresh(Entry& e, bool wait) {
     return;
   }
   e.state = Residency::kResident;
-  // Brought back by a prefetch or an Acquire, it is marked so and stays off the candidates; should
-  // a path ever leave it unmarked, it is a candidate again, as it was before its spill.
-  if (PolicyMaySpill(e)) spill_candidates_.try_emplace(e.seq, &e);
   if (e.stall_since_us != 0) {
     stats_.stall_us += NowMicros() - e.stall_since_us;
     e.stall_since_us = 0;

@@ -171,6 +171,11 @@ class OffloadEngine {
   // makes it false, and a storage that came back is marked acquired or prefetched, so it stays
   // false: a policy never spills a storage twice (the out-of-memory rescue may).
   static bool PolicyMaySpill(const Entry& e);
+  // Calls `visit(entry)` for the spill candidates older than `before_seq`, oldest first, dropping
+  // those that no longer may be spilled; stops when `visit` returns false. By seq cursor: a
+  // visit may spill, and a spill may run the rescue, which changes the candidates.
+  template <typename Visit>
+  void VisitSpillCandidates(uint64_t before_seq, Visit visit);
   void MarkFailed(Entry& e, const std::string& why);
   void FailInFlight(int device, Residency in_flight, const std::string& why);
   void OnStreamError(const StreamError& error);

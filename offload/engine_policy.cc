@@ -47,22 +47,31 @@ void OffloadEngine::ForwardEnd() {
   RunPolicy();
 }
 
+template <typename Visit>
+void OffloadEngine::VisitSpillCandidates(uint64_t before_seq, Visit visit) {
+  for (auto it = spill_candidates_.begin();
+       it != spill_candidates_.end() && it->first < before_seq;) {
+    const uint64_t seq = it->first;
+    Entry& e = *it->second;
+    if (!PolicyMaySpill(e)) {
+      spill_candidates_.erase(seq);
+    } else if (!visit(e)) {
+      return;
+    }
+    it = spill_candidates_.upper_bound(seq);
+  }
+}
+
 void OffloadEngine::RunPolicy() {
   EngineLock lock(mutex_);
   if (in_policy_) return;
   PolicyScope scope(in_policy_);
   if (config_.policy == OffloadPolicy::kEager) {
     // What stays a candidate is what the program still holds: a few tensors, not the graph.
-    for (auto it = spill_candidates_.begin(); it != spill_candidates_.end();) {
-      const uint64_t seq = it->first;
-      Entry& e = *it->second;
-      if (!PolicyMaySpill(e)) {
-        spill_candidates_.erase(seq);
-      } else if (Eligible(e) && !Spill(e)) {
-        e.policy_refused = true;
-      }
-      it = spill_candidates_.upper_bound(seq);
-    }
+    VisitSpillCandidates(next_seq_, [&](Entry& e) {
+      if (Eligible(e) && !Spill(e)) e.policy_refused = true;
+      return true;
+    });
   } else if (config_.policy == OffloadPolicy::kAuto) {
     for (int d = 0; d < static_cast<int>(devices_.size()); ++d) SpillToBudget(d, 0);
   }
@@ -100,18 +109,11 @@ size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool incl
   // The newest entries (up to the prefetch window) are needed first in backward: keep them.
   const Window& w = windows_[static_cast<size_t>(device)];
   const uint64_t window_start = w.start == Window::kEmpty ? next_seq_ : w.start;
-  for (auto it = spill_candidates_.begin();
-       it != spill_candidates_.end() && it->first < window_start;) {
-    if (AllocatedBytes(device) <= target_allocated) break;
-    const uint64_t seq = it->first;
-    Entry& e = *it->second;
-    if (!PolicyMaySpill(e)) {
-      spill_candidates_.erase(seq);
-    } else if (e.device == device && Eligible(e)) {
-      spill(e);
-    }
-    it = spill_candidates_.upper_bound(seq);
-  }
+  VisitSpillCandidates(window_start, [&](Entry& e) {
+    if (AllocatedBytes(device) <= target_allocated) return false;
+    if (e.device == device && Eligible(e)) spill(e);
+    return true;
+  });
   return released;
 }
 

@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "bench/random_churn.h"
 
@@ -57,5 +59,31 @@ class BytePattern {
   }
   std::array<uint64_t, kBytes / sizeof(uint64_t)> words_;
 };
+
+// A span that covers any allocation: the whole pattern.
+inline constexpr size_t kWholePattern = SIZE_MAX / 4;
+
+// The byte ranges of an n-byte allocation that carry its pattern: all of it, or its first and
+// last `span` bytes when it is longer than twice that (under a sanitizer, patterns over hundreds
+// of MiB take minutes).
+inline std::vector<std::pair<size_t, size_t>> PatternRanges(size_t n, size_t span) {
+  if (n <= 2 * span) return {{0, n}};
+  return {{0, span}, {n - span, n}};
+}
+
+// Writes `tag`'s pattern over the ranges of an n-byte allocation.
+inline void FillEnds(void* p, size_t n, uint64_t tag, size_t span) {
+  const BytePattern pattern(tag);
+  for (const auto& [begin, end] : PatternRanges(n, span)) pattern.Fill(p, begin, end);
+}
+
+// Offset of the first byte in those ranges that differs from `tag`'s pattern, or n.
+inline size_t EndsMismatch(const void* p, size_t n, uint64_t tag, size_t span) {
+  const BytePattern pattern(tag);
+  for (const auto& [begin, end] : PatternRanges(n, span)) {
+    if (const size_t bad = pattern.FirstMismatch(p, begin, end); bad != end) return bad;
+  }
+  return n;
+}
 
 }  // namespace spillway::testing

@@ -72,28 +72,14 @@ constexpr size_t kMaxCopyBytes = 64 * kKiB;
 constexpr size_t kPatternSpan = 64 * kKiB;
 constexpr int kStepsPerSeed = 2500;
 #else
-constexpr size_t kPatternSpan = SIZE_MAX / 4;
+constexpr size_t kPatternSpan = testing::kWholePattern;
 constexpr int kStepsPerSeed = 5000;
 #endif
 
-// The byte ranges of an n-byte allocation that carry its pattern.
-std::vector<std::pair<size_t, size_t>> PatternRanges(size_t n) {
-  if (n <= 2 * kPatternSpan) return {{0, n}};
-  return {{0, kPatternSpan}, {n - kPatternSpan, n}};
-}
+void FillPattern(void* p, size_t n, uint64_t tag) { testing::FillEnds(p, n, tag, kPatternSpan); }
 
-void FillPattern(void* p, size_t n, uint64_t tag) {
-  const testing::BytePattern pattern(tag);
-  for (const auto& [begin, end] : PatternRanges(n)) pattern.Fill(p, begin, end);
-}
-
-// Offset of the first patterned byte that differs, or n.
 size_t PatternMismatch(const void* p, size_t n, uint64_t tag) {
-  const testing::BytePattern pattern(tag);
-  for (const auto& [begin, end] : PatternRanges(n)) {
-    if (const size_t bad = pattern.FirstMismatch(p, begin, end); bad != end) return bad;
-  }
-  return n;
+  return testing::EndsMismatch(p, n, tag, kPatternSpan);
 }
 
 // ---- The test ----------------------------------------------------------------------------------

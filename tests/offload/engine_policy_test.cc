@@ -279,9 +279,10 @@ TEST_F(OffloadPolicyTest, OffloadPrefetchWindowFollowsSavesDropsAndSettings) {
   }
 }
 
-// Two graphs saved one after the other (F0, F1, then B0): backward of the older one prefetches
+// Two graphs saved one after the other (F0, F1, then B0): an unpack of the older one prefetches
 // its own saves, never the newer graph's, which would sit on the device until B1 (or forever,
-// if that graph is dropped).
+// if that graph is dropped). (The regression this session fixed was in the hooks, which started
+// backward with a prefetch from the newest save of all; test_autograd.py guards that.)
 TEST_F(OffloadPolicyTest, OffloadPrefetchLeavesANewerGraphSpilled) {
   OffloadConfig config = Policy(OffloadPolicy::kEager);
   config.prefetch_bytes = 64 * kMiB;  // room for both graphs
