@@ -14,6 +14,8 @@
 //  - best fit: when nothing else can have changed, a malloc returns exactly the block the
 //    (stream, size, address) order predicts, or a fresh segment when none fits;
 //  - an out-of-memory error only comes when nothing could have served the request.
+//  - every 1000 steps, a directed probe: a mid-size request under a limit with room only for the
+//    least segment that holds it gets exactly that segment.
 // Data isolation is checked with per-allocation byte patterns, and stream safety with copies
 // enqueued on other streams before a free: a copy that reads a block after it was handed out again
 // sees the wrong pattern, a copy that writes it corrupts the new owner's pattern.
@@ -59,7 +61,11 @@ using testing::kMiB;
 using testing::LiveAlloc;
 using testing::PendingFree;
 using testing::Tally;
-constexpr int kNumStreams = 3;
+constexpr int kNumStreams = 3;  // the streams random operations use
+// A fourth stream only the least-segment probe allocates on: it holds no segment between probes,
+// so the probe's request always needs a fresh one.
+constexpr int kProbeStream = kNumStreams;
+constexpr int kAllStreams = kNumStreams + 1;
 constexpr size_t kCapacity = 256 * kMiB;
 // Copies on other streams touch at most this prefix of a block (keeps the test fast).
 constexpr size_t kMaxCopyBytes = 64 * kKiB;
@@ -75,6 +81,7 @@ constexpr int kStepsPerSeed = 2500;
 constexpr size_t kPatternSpan = testing::kWholePattern;
 constexpr int kStepsPerSeed = 5000;
 #endif
+constexpr int kProbeEvery = 1000;  // steps between least-segment probes
 
 void FillPattern(void* p, size_t n, uint64_t tag) { testing::FillEnds(p, n, tag, kPatternSpan); }
 
@@ -121,12 +128,12 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
                                 .seed = GetParam().seed})),
         alloc_(backend_, GetParam().config) {
     streams_[0] = backend_->default_stream(0);
-    for (int s = 1; s < kNumStreams; ++s) streams_[s] = backend_->create_stream(0);
+    for (int s = 1; s < kAllStreams; ++s) streams_[s] = backend_->create_stream(0);
   }
 
   ~AllocatorDifferentialTest() override {
     // Let every queued copy finish before host buffers and events go away.
-    for (int s = 0; s < kNumStreams; ++s) backend_->synchronize_stream(0, streams_[s].handle);
+    for (int s = 0; s < kAllStreams; ++s) backend_->synchronize_stream(0, streams_[s].handle);
     for (InflightCopy& c : inflight_) backend_->destroy_event(0, c.done);
     for (auto& [addr, p] : model_.pending) {
       for (EventHandle e : p.markers) backend_->destroy_event(0, e);
@@ -166,8 +173,9 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
   // ---- Operations ----
 
   // Returns true when the allocator may have processed stream events during the step.
-  bool DoMalloc(size_t size) {
-    const int s = RandomStream();
+  bool DoMalloc(size_t size) { return DoMalloc(size, RandomStream()); }
+
+  bool DoMalloc(size_t size, int s) {
     const size_t rounded = policy_.RoundSize(size);
     const PoolKind pool = SizePolicy::PoolFor(rounded);
     const size_t segment_size = SizePolicy::SegmentSize(rounded);
@@ -380,6 +388,45 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
     return false;
   }
 
+  // Directed: a mid-size request (PyTorch gives it a 20 MiB segment) under a memory limit that
+  // leaves room only for the least segment that holds it must get exactly that segment. Random
+  // steps reach this edge only now and then, and how often depends on when pending frees happen
+  // to be released, so every run also probes it on purpose, amid whatever the random steps left.
+  void DoLeastSegmentProbe() {
+    constexpr size_t kRequest = 3 * kMiB;
+    const size_t least = SizePolicy::SmallestSegmentSize(policy_.RoundSize(kRequest));
+    // Settle everything (no free may be released during the probe's malloc) and make room on the
+    // device for the least segment, freeing random allocations if it is that full.
+    for (;;) {
+      for (int s = 0; s < kNumStreams; ++s) DoSynchronize(s);
+      alloc_.ProcessEvents(0);
+      alloc_.EmptyCache();
+      if (backend_->mem_info(0).free_bytes >= least || model_.live.empty()) break;
+      DoFree(RandomLive());
+    }
+    CheckMallocPlacement(CheckAll(true));
+    if (HasFailure()) return;
+
+    const size_t saved_limit = limit_;
+    limit_ = static_cast<size_t>(alloc_.stats(0).reserved_bytes.all().current) + least;
+    alloc_.SetMemoryLimit(limit_, 0);
+    const int least_before = counts_.least_segments;
+    DoMalloc(kRequest, kProbeStream);
+    CheckMallocPlacement(CheckAll(false));
+    EXPECT_EQ(counts_.least_segments, least_before + 1)
+        << "a " << kRequest << "-byte request with room for only " << least
+        << " bytes under the limit did not get a segment of that size";
+
+    // The probe stream keeps no segment: the next probe needs a fresh one again.
+    const auto probe = std::find_if(model_.live.begin(), model_.live.end(),
+                                    [](const auto& e) { return e.second.stream == kProbeStream; });
+    if (probe != model_.live.end()) DoFree(probe);
+    alloc_.EmptyCache();
+    limit_ = saved_limit;
+    alloc_.SetMemoryLimit(limit_, 0);
+    ++counts_.probes;
+  }
+
   // Retires copies that have run, checking what the read-backs saw.
   void RetireCopies() {
     for (auto it = inflight_.begin(); it != inflight_.end();) {
@@ -465,7 +512,10 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
       const auto live_bytes = static_cast<size_t>(alloc_.stats(0).allocated_bytes.all().current);
       const bool full = live_bytes > 128 * kMiB || model_.live.size() > 600;
       const uint64_t r = Uniform(0, 999);
-      if (model_.live.empty() || (!full && r < 380)) {
+      if (step % kProbeEvery == kProbeEvery - 1) {
+        DoLeastSegmentProbe();
+        events = true;
+      } else if (model_.live.empty() || (!full && r < 380)) {
         events = DoMalloc(RandomSize());
       } else if (r < 680) {
         DoFree(RandomLive());
@@ -535,14 +585,14 @@ class AllocatorDifferentialTest : public ::testing::TestWithParam<DiffParam> {
   struct Counts {
     int mallocs = 0, frees = 0, pending_frees = 0, pending_released = 0, ooms = 0, copies = 0,
         syncs = 0, reused = 0, new_segments = 0, empty_caches = 0, drains = 0, limits = 0,
-        cross_pool = 0, least_segments = 0;
+        cross_pool = 0, least_segments = 0, probes = 0;
   };
 
   std::mt19937_64 rng_;
   const SizePolicy policy_;
   std::shared_ptr<SimBackend> backend_;
   CachingAllocator alloc_;
-  std::array<StreamRef, kNumStreams> streams_;
+  std::array<StreamRef, kAllStreams> streams_;
 
   testing::ReferenceModel model_;
   std::vector<InflightCopy> inflight_;
@@ -575,9 +625,9 @@ TEST_P(AllocatorDifferentialTest, RandomOperationsMatchReferenceModel) {
   EXPECT_GT(c.pending_released, 0);
   EXPECT_GT(c.reused, kStepsPerSeed / 50);
   EXPECT_GT(c.new_segments, 5);
+  EXPECT_EQ(c.probes, kStepsPerSeed / kProbeEvery);
 #if !defined(SPILLWAY_UNDER_TSAN)
   EXPECT_GT(c.ooms, 0);
-  EXPECT_GT(c.least_segments, 0);  // mid-size requests that took their own size at the edge
 #endif
 }
 
