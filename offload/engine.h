@@ -73,7 +73,7 @@ struct EntryInfo {
 
 // One change of spilled bytes, for timelines (spillway.report).
 struct OffloadEvent {
-  enum class Kind { kSpill, kReload, kDropSpilled, kFailed };
+  enum class Kind { kSpill, kReload, kDropSpilled, kFailed, kPrefetchGivenBack };
   int64_t time_us = 0;
   Kind kind = Kind::kSpill;
   int device = 0;
@@ -120,8 +120,9 @@ class OffloadEngine {
   void ForwardEnd();
   // Runs the spill policy now (the hooks call it after each save).
   void RunPolicy();
-  // Out-of-memory rescue: spills eligible entries on `device`, waiting for their copies, until
-  // `bytes` were released or nothing is eligible. Returns the bytes released.
+  // Out-of-memory rescue: spills eligible entries on `device`, waiting for their copies, then
+  // gives back prefetches still unused, until `bytes` were released or nothing is left. Returns
+  // the bytes released.
   size_t ReleaseMemory(int device, size_t bytes);
   // Waits for every copy in flight and settles the states.
   void Synchronize();
@@ -188,6 +189,10 @@ class OffloadEngine {
   void DiscardCopies(Entry& e);
   void ReleaseHost(Entry& e, std::optional<StreamRef> last_use);
   size_t SpillOldest(int device, size_t target_allocated, bool include_window);
+  // Part of the rescue: turns prefetches whose copies have not been settled yet back into spilled
+  // entries (their host copies are still there), oldest first, until allocated bytes reach
+  // `target_allocated`. Returns the bytes released.
+  size_t GiveBackPrefetches(int device, size_t target_allocated);
   // Spills oldest saves until `incoming_bytes` more fit under the budget (less a hysteresis).
   void SpillToBudget(int device, size_t incoming_bytes);
   size_t AllocatedBytes(int device) const;

@@ -84,6 +84,8 @@ std::string_view OffloadEventName(OffloadEvent::Kind kind) {
       return "drop_spilled";
     case OffloadEvent::Kind::kFailed:
       return "failed";
+    case OffloadEvent::Kind::kPrefetchGivenBack:
+      return "prefetch_given_back";
   }
   return "unknown";
 }

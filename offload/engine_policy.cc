@@ -119,14 +119,15 @@ size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool incl
 
 size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {
   EngineLock lock(mutex_);
-  if (config_.policy == OffloadPolicy::kOff) return 0;
   if (device < 0 || device >= static_cast<int>(devices_.size())) return 0;
   const size_t allocated = AllocatedBytes(device);
   const size_t target = allocated > bytes ? allocated - bytes : 0;
   size_t released = 0;
   {
     PolicyScope scope(in_policy_);
-    released = SpillOldest(device, target, true);
+    // Under "off" nothing is spilled; prefetches of saves an inner block spilled still go back.
+    if (config_.policy != OffloadPolicy::kOff) released = SpillOldest(device, target, true);
+    if (AllocatedBytes(device) > target) released += GiveBackPrefetches(device, target);
   }
   if (released > 0) {
     // The allocator retries right after this returns: the freed blocks must be reusable. Each
@@ -142,6 +143,39 @@ size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {
       FailInFlight(device, Residency::kSpilling, error.what());
     }
     for (auto& [seq, entry] : by_seq_) Refresh(*entry);
+  }
+  return released;
+}
+
+size_t OffloadEngine::GiveBackPrefetches(int device, size_t target_allocated) {
+  // A prefetch nobody has used yet is a guess, and an allocation that fails otherwise comes first
+  // (without this, prefetching made backward run out of memory where reloading at use fitted).
+  // Until its copy is settled the entry keeps its host copy: once the copy is done the device
+  // copy can go with no copy back. Oldest first: backward reads those last.
+  size_t released = 0;
+  for (auto& [seq, entry] : by_seq_) {
+    if (AllocatedBytes(device) <= target_allocated) break;
+    Entry& e = *entry;
+    if (e.device != device || !e.prefetched || e.state != Residency::kReloading ||
+        e.storage->external_holders() != 0) {
+      continue;
+    }
+    try {
+      backend_.synchronize_event(e.device, e.copy_done);
+    } catch (const BackendError& error) {
+      FailInFlight(e.device, Residency::kReloading, error.what());
+      continue;
+    }
+    const auto info = allocator_.Lookup(e.storage->data());
+    // The copy is done and nothing else used the block: it may be reused at once.
+    e.storage->drop_device_memory();
+    e.state = Residency::kSpilled;
+    e.prefetched = false;
+    prefetched_bytes_ -= e.nbytes;
+    offloaded_[e.seq] = &e;
+    stats_.spilled_bytes.Increase(static_cast<int64_t>(e.nbytes));
+    Note(OffloadEvent::Kind::kPrefetchGivenBack, e);
+    released += info ? info->size : e.nbytes;
   }
   return released;
 }

@@ -134,7 +134,9 @@ def offload(policy=None, budget_bytes=None, min_bytes=None, prefetch_bytes=None)
         the newest prefetch_bytes of saves, reloads in use) can carry the peak past it.
     min_bytes: storages smaller than this are never spilled; default from the configuration
         (`offload_min_kb`, 1 MiB).
-    prefetch_bytes: how far ahead backward reloads; default from the configuration (256 MiB).
+    prefetch_bytes: how far ahead backward reloads (whole saves: the next one even when it alone
+        is larger; 0: no prefetch); default from the configuration (256 MiB). A prefetch is a
+        guess: an allocation that would fail otherwise takes back the ones not used yet.
 
     Blocks nest: each saved tensor keeps the "off" and the min_bytes of the block it was saved in
     (one saved in an "off" block stays on the device), and when an inner block ends the enclosing

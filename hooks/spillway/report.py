@@ -37,7 +37,7 @@ def series(snapshot, device=0):
     d_reserved = {"segment_alloc": 1, "segment_free": -1}
     start_allocated = end_allocated - sum(d_alloc.get(e["action"], 0) * e["size"] for e in trace)
     start_reserved = end_reserved - sum(d_reserved.get(e["action"], 0) * e["size"] for e in trace)
-    d_spill = {"spill": 1, "reload": -1, "drop_spilled": -1}
+    d_spill = {"spill": 1, "reload": -1, "drop_spilled": -1, "prefetch_given_back": 1}
     end_spilled = section.get("stats", {}).get("spilled_bytes.current", 0)
     start_spilled = end_spilled - sum(d_spill.get(e["action"], 0) * e["bytes"]
                                       for e in offload_events)

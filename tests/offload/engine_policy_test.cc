@@ -1,6 +1,7 @@
 // Each policy's contract, the out-of-memory rescue and prefetch.
 #include <algorithm>
 #include <random>
+#include <thread>
 
 #include "tests/counting_sim_backend.h"
 #include "tests/offload/engine_fixture.h"
@@ -329,6 +330,63 @@ TEST_F(OffloadPolicyTest, OffloadPrefetchRescueNeverSpillsTheEntryBeingAcquired)
   EXPECT_EQ(ptr, newer->data());
   EXPECT_EQ(ReadOn(compute_, ptr, 24 * kMiB), Pattern(24 * kMiB, 2));
   allocator_->Free(filler);
+}
+
+// A prefetch is a guess: an allocation that fails otherwise gets its memory back, with no copy to
+// the host (the host copy is still there), whether the prefetch's copy is still running or done
+// but not yet settled; under "off" too (backward after an inner "eager" block). Regression: the
+// rescue spilled only settled resident entries, so with prefetch on backward ran out of memory
+// where reloading at use fitted.
+TEST_F(OffloadPolicyTest, OffloadRescueGivesBackUnusedPrefetches) {
+  for (const bool in_flight : {false, true}) {
+    for (const OffloadPolicy backward_policy : {OffloadPolicy::kEager, OffloadPolicy::kOff}) {
+      SCOPED_TRACE(in_flight ? "prefetch copies running" : "prefetch copies done");
+      SCOPED_TRACE(backward_policy == OffloadPolicy::kOff ? "off in backward" : "eager");
+      OffloadConfig config = Policy(OffloadPolicy::kEager);
+      config.prefetch_bytes = size_t{1} << 30;  // as far as the budget lets it
+      Make(config, 64 * kMiB, std::chrono::microseconds{0});
+      std::vector<std::shared_ptr<TestStorage>> saved;
+      std::vector<KeeperId> ids;
+      for (uint32_t i = 0; i < 6; ++i) {  // 48 MiB in three 20 MiB segments
+        saved.push_back(NewStorage(8 * kMiB, i));
+        ids.push_back(Save(saved.back()));
+        saved.back()->holders = 0;
+      }
+      storages_.clear();
+      engine_->ForwardEnd();
+      engine_->Synchronize();
+      ASSERT_EQ(EngineStat("num_spills"), 6);
+      config.policy = backward_policy;
+      engine_->SetConfig(config);
+
+      std::unique_ptr<SimBackend::StreamHold> hold =
+          backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+      if (!in_flight) hold.reset();
+      void* first =
+          engine_->Acquire(ids[5], compute_);  // backward's first read prefetches the rest
+      saved[5]->holders = 1;                   // the unpacked tensor uses it
+      if (!in_flight) backend_->synchronize_stream(0, engine_->h2d_stream_for_testing(0).handle);
+      ASSERT_EQ(AllocStat("allocated_bytes.all.current"), int64_t{48 * kMiB});
+      // The copies finish only while the rescue waits for them.
+      std::thread opener([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        hold.reset();
+      });
+      void* p = nullptr;
+      EXPECT_NO_THROW(p = allocator_->Malloc(12 * kMiB, 0, compute_));
+      opener.join();
+      EXPECT_EQ(EngineStat("num_spills"), 6) << "the rescue copied a prefetch back to the host";
+      EXPECT_EQ(StateOf(saved[0]), Residency::kSpilled) << "the oldest prefetch was not given back";
+      if (p != nullptr) allocator_->Free(p);
+      // Every save still reads back intact.
+      EXPECT_EQ(ReadOn(compute_, first, 8 * kMiB), Pattern(8 * kMiB, 5));
+      for (int i = 4; i >= 0; --i) {
+        void* ptr = engine_->Acquire(ids[static_cast<size_t>(i)], compute_);
+        EXPECT_EQ(ReadOn(compute_, ptr, 8 * kMiB), Pattern(8 * kMiB, static_cast<uint32_t>(i)))
+            << i;
+      }
+    }
+  }
 }
 
 // One process per GPU is the common case: an auto budget must not ask the other devices for their

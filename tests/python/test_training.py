@@ -92,3 +92,39 @@ def test_capacity_below_the_peak_fails_without_offload_and_completes_with_auto()
     assert without.startswith("oom Spillway: out of memory on device 0"), without
     with_auto = run("auto")
     assert with_auto == "losses " + repr(base_losses)
+
+
+MLP_SCRIPT = """
+    import hashlib, torch, spillway
+    spillway.install("sim", capacity_bytes={capacity})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU())
+                                  for _ in range(16)])
+    x = torch.randn(4096, 256)
+    offload = {offload}
+    try:
+        with offload:
+            loss = model(x).square().mean()
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+        print("grads", hashlib.sha256(grads.numpy().tobytes()).hexdigest())
+    except torch.cuda.OutOfMemoryError as error:
+        print("oom", str(error).splitlines()[0])
+"""
+
+
+def mlp_run(capacity, offload):
+    result = run_script(MLP_SCRIPT.format(capacity=capacity, offload=offload))
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+@pytest.mark.parametrize("policy, prefetch", [("eager", 256 << 20), ("auto", 4 << 20)])
+def test_prefetch_never_turns_a_run_that_fits_into_an_out_of_memory_error(policy, prefetch):
+    """Regression (user review, 2026-12-01): 128 MiB of saves in a 32 MiB device trained with
+    prefetch off, and ran out of memory in backward with it on: the rescue could not take back a
+    prefetch nobody had used yet. Gradients equal those of a run that fits without offload."""
+    reference = mlp_run(512 << 20, "__import__('contextlib').nullcontext()")
+    assert reference.startswith("grads "), reference
+    got = mlp_run(32 << 20, f"spillway.offload({policy!r}, min_bytes=0, prefetch_bytes={prefetch})")
+    assert got == reference
