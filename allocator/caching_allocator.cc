@@ -173,6 +173,8 @@ void CachingAllocator::SetMemoryLimit(size_t bytes, int device) {
 
 size_t CachingAllocator::memory_limit(int device) const { return At(device).memory_limit(); }
 
+size_t CachingAllocator::total_memory(int device) const { return At(device).total_memory(); }
+
 std::optional<double> CachingAllocator::memory_fraction(int device) const {
   return At(device).memory_fraction();
 }

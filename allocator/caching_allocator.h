@@ -49,6 +49,9 @@ class CachingAllocator {
   void SetMemoryFraction(double fraction, int device);
   void SetMemoryLimit(size_t bytes, int device);
   size_t memory_limit(int device) const;
+  // The device's total memory, asked of the backend once per device (on CUDA the first question
+  // creates the device's context: ask only about devices in use).
+  size_t total_memory(int device) const;
   std::optional<double> memory_fraction(int device) const;  // as last set; none if never set
 
   DeviceStats stats(int device) const;

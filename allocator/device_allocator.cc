@@ -62,15 +62,13 @@ void DeviceAllocator::SetWatermarkFraction(double fraction) {
 
 void DeviceAllocator::ResolveWatermark() {
   if (watermark_fraction_ == 0.0) return;
-  size_t base = limit_;
-  if (base == 0) {
-    // Until the device reserves memory nothing is allocated on it, so no pressure is missed.
-    if (segments_.empty()) {
-      watermark_.store(std::numeric_limits<size_t>::max(), std::memory_order_relaxed);
-      return;
-    }
-    base = TotalMemory();
+  // Until the device reserves memory nothing is allocated on it, so no pressure is missed.
+  if (segments_.empty()) {
+    watermark_.store(std::numeric_limits<size_t>::max(), std::memory_order_relaxed);
+    return;
   }
+  // A limit beyond the device (memory_limit_mb larger than it) is no base for a budget.
+  const size_t base = limit_ == 0 ? TotalMemory() : std::min(limit_, TotalMemory());
   watermark_.store(static_cast<size_t>(watermark_fraction_ * static_cast<double>(base)),
                    std::memory_order_relaxed);
 }
@@ -515,6 +513,11 @@ void DeviceAllocator::SetMemoryLimit(size_t bytes) {
 size_t DeviceAllocator::memory_limit() const {
   std::lock_guard lock(mutex_);
   return limit_;
+}
+
+size_t DeviceAllocator::total_memory() const {
+  std::lock_guard lock(mutex_);
+  return TotalMemory();
 }
 
 std::optional<double> DeviceAllocator::memory_fraction() const {

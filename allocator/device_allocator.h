@@ -99,7 +99,10 @@ class DeviceAllocator {
   // of one byte), 1 the whole device.
   void SetMemoryFraction(double fraction);
   void SetMemoryLimit(size_t bytes);
-  size_t memory_limit() const;                    // 0 = none
+  size_t memory_limit() const;  // 0 = none
+  // The device's memory as the backend reports it, asked once (on CUDA the first question
+  // creates the device's context).
+  size_t total_memory() const;
   std::optional<double> memory_fraction() const;  // as last set; none when never set
 
   DeviceStats stats() const;

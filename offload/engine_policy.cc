@@ -80,8 +80,12 @@ void OffloadEngine::RunPolicy() {
 void OffloadEngine::SpillToBudget(int device, size_t incoming_bytes) {
   // Spill down to the budget less a hysteresis, so the next few allocations do not re-trigger,
   // and less what is about to be allocated, so that it fits too.
+  // Nothing allocated, nothing to spill; and the budget of a device nobody uses is not asked for
+  // (on CUDA that would create a context on it).
+  const size_t allocated = AllocatedBytes(device);
+  if (allocated + incoming_bytes == 0) return;
   const size_t budget = budget_bytes(device);
-  if (AllocatedBytes(device) + incoming_bytes <= budget) return;
+  if (allocated + incoming_bytes <= budget) return;
   const size_t target = budget - budget / 16;
   SpillOldest(device, target > incoming_bytes ? target - incoming_bytes : 0, false);
 }
@@ -194,9 +198,11 @@ size_t OffloadEngine::AllocatedBytes(int device) const {
 size_t OffloadEngine::budget_bytes(int device) const {
   EngineLock lock(mutex_);
   if (config_.budget_bytes != 0) return config_.budget_bytes;
-  size_t limit = allocator_.memory_limit(device);
-  if (limit == 0) limit = backend_.mem_info(device).total_bytes;
-  return static_cast<size_t>(config_.budget_fraction * static_cast<double>(limit));
+  // The limit, or the device where that is smaller (memory_limit_mb may name more than it has).
+  const size_t total = allocator_.total_memory(device);
+  const size_t limit = allocator_.memory_limit(device);
+  const size_t base = limit == 0 ? total : std::min(limit, total);
+  return static_cast<size_t>(config_.budget_fraction * static_cast<double>(base));
 }
 
 void OffloadEngine::UpdateWatermarks() {

@@ -122,6 +122,28 @@ TEST_F(OffloadPolicyTest, OffloadBudgetDefaultsToFractionOfTheLimit) {
   EXPECT_EQ(engine_->budget_bytes(0), 50 * kMiB);
 }
 
+// A limit beyond the device (memory_limit_mb larger than it has) is no base for the budget: it
+// is a fraction of the device, and `auto` spills at it, not only when memory runs out (user
+// review: budget 3.2 GiB on a 64 MiB device, peak 62 MiB held by the out-of-memory rescue alone).
+TEST_F(OffloadPolicyTest, OffloadBudgetOfALimitBeyondTheDeviceIsAFractionOfTheDevice) {
+  OffloadConfig config = Policy(OffloadPolicy::kAuto);
+  config.budget_fraction = 0.5;
+  config.prefetch_bytes = 4 * kMiB;
+  AllocatorConfig allocator_config;
+  allocator_config.memory_limit_bytes = 4096 * kMiB;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0}, allocator_config);
+  EXPECT_EQ(engine_->budget_bytes(0), 32 * kMiB);
+  allocator_->ResetPeakStats(0);
+  for (uint32_t i = 0; i < 12; ++i) {
+    auto s = NewStorage(4 * kMiB, i);
+    Save(s);
+    s->holders = 0;
+    storages_.clear();
+  }
+  EXPECT_LE(AllocStat("allocated_bytes.all.peak"), int64_t{32 * kMiB});
+  EXPECT_EQ(AllocStat("num_alloc_retries"), 0) << "only the out-of-memory rescue spilled";
+}
+
 TEST_F(OffloadPolicyTest, OffloadOomRescueTurnsAFailingAllocationIntoSuccess) {
   OffloadConfig config = Policy(OffloadPolicy::kAuto);
   config.budget_bytes = 1024 * kMiB;  // the budget never triggers: only the rescue can help
@@ -403,6 +425,9 @@ TEST(OffloadBudget, OffloadAutoAsksOnlyTheDevicesInUse) {
   EXPECT_EQ(backend->mem_info_calls.size(), 1u);
   EXPECT_EQ(backend->mem_info_calls.count(2), 1u);
   EXPECT_EQ(engine.budget_bytes(2), 32 * kMiB);
+  engine.ForwardEnd();  // the budget check of every device: only device 2 holds memory
+  EXPECT_EQ(backend->mem_info_calls.size(), 1u);
+  EXPECT_EQ(backend->mem_info_calls.count(2), 1u);
   allocator.Free(p);
 }
 
