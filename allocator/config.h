@@ -48,6 +48,8 @@ struct AllocatorConfig {
   size_t memory_limit_bytes = 0;
   // Capacity of the trace ring buffer when history recording is enabled.
   size_t history_entries = 100000;
+
+  bool operator==(const AllocatorConfig&) const = default;
 };
 
 enum class OffloadPolicy { kOff, kEager, kAuto };
@@ -64,6 +66,8 @@ struct OffloadConfig {
   size_t prefetch_bytes = size_t{256} << 20;
   // Upper bound on pinned host bytes the engine may hold. 0 = no limit.
   size_t host_limit_bytes = 0;
+
+  bool operator==(const OffloadConfig&) const = default;
 };
 
 enum class DeviceKind { kCuda, kSim };
@@ -77,6 +81,8 @@ struct Config {
   int sim_devices = 1;
   // True when the string contained `backend:spillway`.
   bool backend_spillway = false;
+
+  bool operator==(const Config&) const = default;
 };
 
 // Parses `text` on top of `base`: keys not named keep `base`'s values. An empty string is valid.

@@ -100,13 +100,14 @@ def _run():
             # Spillway's keys either (it rejects every one, backend:spillway included).
             _set_or_unset(var, _without_ours(lib, value) or None)
             raise
-        if not ours:
-            continue
-        if theirs:
-            os.environ[var] = theirs
-        else:
-            del os.environ[var]
-        parts.append(ours)
+        if ours:
+            if theirs:
+                os.environ[var] = theirs
+            else:
+                del os.environ[var]
+            parts.append(ours)
+        # PyTorch's keys that Spillway honours count whichever variable asked for Spillway (on
+        # CUDA PyTorch's own allocator, which would have read them, serves nothing).
         parts.extend(_honoured_items(theirs))
     _user_conf = os.environ.get("SPILLWAY_ALLOC_CONF")
     own = (_user_conf or "").strip()
@@ -171,7 +172,8 @@ def finish_pending():
         # SPILLWAY_ALLOC_CONF as the user set it, not the merged string.
         _set_or_unset("SPILLWAY_ALLOC_CONF", _user_conf)
         raise
-    if info["offload"] is not None and info["offload"] != "off":
+    # "off" too: it registers saved tensors (keepers() sees them) and never spills.
+    if info["offload"] is not None:
         _C.configure_offload(info["offload"], info["budget_bytes"], info["budget_fraction"],
                              info["min_bytes"], info["prefetch_bytes"])
         import torch

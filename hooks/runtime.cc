@@ -38,44 +38,58 @@ void Runtime::Install(const std::string& device, const std::string& conf, size_t
     }
     base.sim_capacity_bytes = capacity_bytes;
   }
-  // The capacity joins the configuration text as its key, so that installs naming it either way
-  // are the same install (and the second a no-op), as they configure the same device.
+  // The call as messages show it, the capacity as its key.
   std::string text = conf;
   if (capacity_bytes != 0) {
     const std::string key = absl::StrFormat("capacity_mb:%d", capacity_bytes / kMiB);
     text = text.empty() ? key : text + "," + key;
   }
   const std::string call = absl::StrFormat("device=%s, conf=\"%s\"", device, text);
+  // What the call names, on top of `defaults`: checked before anything is installed or compared.
+  const auto named = [&](const Config& defaults) {
+    absl::StatusOr<Config> parsed = ParseConfig(conf, defaults);
+    if (!parsed.ok()) throw InvalidArgumentError(std::string(parsed.status().message()));
+    if (parsed->device != base.device) {
+      throw InvalidArgumentError(absl::StrFormat(
+          "spillway.install(device=\"%s\") conflicts with the configuration's device key in "
+          "\"%s\"",
+          device, conf));
+    }
+    // Only a configuration that names the key can have changed the capacity the call gave.
+    if (capacity_bytes != 0 && parsed->sim_capacity_bytes != capacity_bytes) {
+      throw InvalidArgumentError(absl::StrFormat(
+          "spillway.install(capacity_bytes=%d) conflicts with the configuration's capacity_mb "
+          "key in \"%s\" (%d MiB)",
+          capacity_bytes, conf, parsed->sim_capacity_bytes / kMiB));
+    }
+    return *std::move(parsed);
+  };
   std::lock_guard lock(mutex_);
   if (mode_ != Mode::kNone) {
-    if (call == install_call_) return;
+    // A repeat is a no-op when everything it names is what the install in force has. Keys it
+    // leaves out are no request for their defaults: a script's install("sim") under
+    // SPILLWAY_ALLOC_CONF=device:sim,offload:eager asks for nothing new.
+    Config again = config_;
+    again.device = base.device;
+    if (capacity_bytes != 0) again.sim_capacity_bytes = capacity_bytes;
+    Config repeat = named(again);
+    repeat.backend_spillway = config_.backend_spillway;
+    if (repeat == config_) return;
     throw InvalidArgumentError(absl::StrFormat(
-        "spillway is already installed (%s); one install per process, and this call asks for %s",
+        "spillway is already installed (%s); one install per process, and this call asks for "
+        "something else: %s",
         install_call_, call));
   }
-  absl::StatusOr<Config> parsed = ParseConfig(conf, base);
-  if (!parsed.ok()) throw InvalidArgumentError(std::string(parsed.status().message()));
-  if (parsed->device != base.device) {
-    throw InvalidArgumentError(absl::StrFormat(
-        "spillway.install(device=\"%s\") conflicts with the configuration's device key in \"%s\"",
-        device, conf));
-  }
-  // Only a configuration that names the key can have changed the capacity the call gave.
-  if (capacity_bytes != 0 && parsed->sim_capacity_bytes != capacity_bytes) {
-    throw InvalidArgumentError(absl::StrFormat(
-        "spillway.install(capacity_bytes=%d) conflicts with the configuration's capacity_mb key "
-        "in \"%s\" (%d MiB)",
-        capacity_bytes, conf, parsed->sim_capacity_bytes / kMiB));
-  }
-  if (!ConfigureProcessAllocator(*parsed) && ProcessConfig().device != parsed->device) {
+  const Config parsed = named(base);
+  if (!ConfigureProcessAllocator(parsed) && ProcessConfig().device != parsed.device) {
     throw InvalidArgumentError(
         "Spillway's process allocator was already created for another device (by the C ABI, "
         "from SPILLWAY_ALLOC_CONF); install before any allocation");
   }
   allocator_ = &ProcessAllocator();
-  config_ = *parsed;
-  if (parsed->device == DeviceKind::kSim) SimCpuAllocator::Install(*allocator_);
-  mode_ = parsed->device == DeviceKind::kSim ? Mode::kSim : Mode::kCuda;
+  config_ = parsed;
+  if (parsed.device == DeviceKind::kSim) SimCpuAllocator::Install(*allocator_);
+  mode_ = parsed.device == DeviceKind::kSim ? Mode::kSim : Mode::kCuda;
   install_call_ = call;
 }
 

@@ -45,21 +45,26 @@ def _check_bool(name, value):
     raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
-def install(device="cuda", conf=None, capacity_bytes=None):
+def install(device=None, conf=None, capacity_bytes=None):
     """Makes Spillway serve PyTorch's allocations on `device`.
 
     device: "cuda" installs Spillway as PyTorch's CUDA allocator (must run before CUDA
         initializes); "sim" installs the simulated device (host memory with a capacity) as
-        PyTorch's CPU allocator, so CPU tensors created afterwards live in it.
+        PyTorch's CPU allocator, so CPU tensors created afterwards live in it. Default: the
+        configuration's `device` key, else "cuda".
     conf: a `key:value,...` string (the grammar of PYTORCH_CUDA_ALLOC_CONF); see README.
     capacity_bytes: simulated device capacity (a multiple of 1 MiB; default 1 GiB).
 
-    One install per process; repeating the same call is a no-op, a different one raises.
+    One install per process. Installing again is a no-op when everything the call names is what
+    the install in force has (keys it leaves out are no request for their defaults, so a script's
+    install("sim") under SPILLWAY_ALLOC_CONF=device:sim,... is one); anything else raises.
     """
-    if device not in ("cuda", "sim"):
-        raise ValueError(f"device must be 'cuda' or 'sim', got {device!r}")
     if conf is not None and not isinstance(conf, str):
         raise ValueError(f"conf must be a string like 'offload:auto,prefetch_mb:256', got {conf!r}")
+    if device is None:
+        device = _C.describe_config(conf or "")["device"]
+    if device not in ("cuda", "sim"):
+        raise ValueError(f"device must be 'cuda' or 'sim', got {device!r}")
     _check_bytes("capacity_bytes", capacity_bytes, positive=True)
     if capacity_bytes is not None and device != "sim":
         # Before the CUDA checks below, which would name another problem.
@@ -71,6 +76,10 @@ def install(device="cuda", conf=None, capacity_bytes=None):
         if device == "cuda":
             mode = _C.installed_mode()
             if mode == "":
+                # The configuration first: its problems are the ones to report, not CUDA's.
+                if _C.describe_config(text)["device"] != "cuda":
+                    raise ValueError(f"spillway.install(device='cuda') conflicts with the "
+                                     f"configuration's device key in {text!r}")
                 if torch.version.cuda is None or not torch.cuda.is_available():
                     raise RuntimeError(
                         "spillway.install(device='cuda'): this torch has no usable CUDA "

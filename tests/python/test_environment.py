@@ -25,6 +25,8 @@ PLAIN_SCRIPT = """
     print("installed", spillway.installed())
     print("allocations", stats["allocation.all.allocated"])
     print("saved_seen", stats["spillway.num_keepers"])
+    print("spills", stats["spillway.num_spills"])
+    print("max_split_size", stats["max_split_size"])
     print("pytorch_conf", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
 """
 
@@ -65,6 +67,36 @@ def test_pytorch_keys_stay_and_spillway_keys_are_taken_out():
     out = lines_of(run_script(PLAIN_SCRIPT, env=env))
     assert out["installed"] == "sim"
     assert out["pytorch_conf"] == "max_split_size_mb:64"
+
+
+def test_pytorch_keys_count_when_only_spillways_variable_asks():
+    """User review: max_split_size_mb in PYTORCH_CUDA_ALLOC_CONF was honoured only when that same
+    variable named backend:spillway (on CUDA, then, by nobody)."""
+    env = {"PYTHONUSERBASE": SITE, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64",
+           "SPILLWAY_ALLOC_CONF": "device:sim"}
+    out = lines_of(run_script(PLAIN_SCRIPT, env=env))
+    assert out["installed"] == "sim"
+    assert out["max_split_size"] == str(64 << 20)
+    assert out["pytorch_conf"] == "max_split_size_mb:64"
+
+
+def test_offload_off_registers_saved_tensors_and_spills_nothing():
+    env = {"PYTHONUSERBASE": SITE, "SPILLWAY_ALLOC_CONF": "device:sim,offload:off,offload_min_kb:0"}
+    out = lines_of(run_script(PLAIN_SCRIPT, env=env))
+    assert int(out["saved_seen"]) >= 4  # keepers() sees them, as the README says of "off"
+    assert out["spills"] == "0"
+
+
+def test_a_script_that_installs_spillway_itself_runs_under_the_variable():
+    """User review: a script's own install("sim") died ("already installed") under
+    SPILLWAY_ALLOC_CONF=device:sim."""
+    env = {"PYTHONUSERBASE": SITE, "SPILLWAY_ALLOC_CONF": "device:sim,offload:eager"}
+    out = lines_of(run_script("""
+        import torch, spillway
+        spillway.install("sim")
+        print("installed", spillway.installed())
+    """, env=env))
+    assert out["installed"] == "sim"
 
 
 def test_nothing_happens_without_the_variables():

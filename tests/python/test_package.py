@@ -209,21 +209,46 @@ def test_dump_snapshot_takes_a_pathlike(tmp_path):
     assert path.stat().st_size > 0
 
 
-def test_an_install_naming_the_capacity_either_way_is_the_same_install():
+def test_an_install_that_names_nothing_new_is_the_same_install():
+    """User review: installs asking for the same thing were refused when their text differed (a
+    script's install("sim") died under SPILLWAY_ALLOC_CONF=device:sim)."""
     result = run_script("""
         import spillway
-        spillway.install("sim", conf="offload:eager,capacity_mb:64")
-        spillway.install("sim", conf="offload:eager", capacity_bytes=64 << 20)
-        print("same install")
+        spillway.install(conf="device:sim,offload:eager,capacity_mb:64")  # device from conf
+        print("installed", spillway.installed())
+        for kwargs in ({"device": "sim", "conf": "offload:eager", "capacity_bytes": 64 << 20},
+                       {"device": "sim"}, {"conf": "capacity_mb:64,device:sim"},
+                       {"device": "sim", "conf": "prefetch_mb:256"}):
+            spillway.install(**kwargs)
+            print("same install", kwargs)
+        for kwargs in ({"device": "sim", "capacity_bytes": 128 << 20},
+                       {"device": "sim", "conf": "offload:auto"}, {"device": "cuda"}):
+            try:
+                spillway.install(**kwargs)
+            except ValueError as error:
+                print("refused", kwargs, error)
+    """)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "installed sim" in out, out
+    assert out.count("same install") == 4, out
+    assert ("refused {'device': 'sim', 'capacity_bytes': 134217728} spillway is already installed "
+            '(device=sim, conf="device:sim,offload:eager,capacity_mb:64")') in out, out
+    assert "refused {'device': 'sim', 'conf': 'offload:auto'} spillway is already" in out, out
+    assert "refused {'device': 'cuda'} spillway is already" in out, out
+
+
+def test_a_cuda_install_whose_configuration_names_sim_is_a_conflict_first():
+    result = run_script("""
+        import spillway
         try:
-            spillway.install("sim", conf="offload:eager", capacity_bytes=128 << 20)
+            spillway.install("cuda", conf="device:sim")
         except ValueError as error:
             print("refused", error)
     """)
     assert result.returncode == 0, result.stderr
-    assert "same install" in result.stdout, result.stdout
-    assert ('refused spillway is already installed (device=sim, conf="offload:eager,capacity_mb:64")'
-            in result.stdout), result.stdout
+    assert ("refused spillway.install(device='cuda') conflicts with the configuration's device "
+            "key in 'device:sim'") in result.stdout, result.stdout
 
 
 def test_a_capacity_that_conflicts_with_the_configuration_is_refused():
