@@ -19,10 +19,12 @@ _MAX_HISTORY_ENTRIES = 10_000_000
 
 
 def _check_bytes(name, value, allow_none=True, positive=False):
+    """`value` as a Python int (numpy's integers too), or None when allowed."""
     if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int number of bytes, got {value!r}")
+    value = int(value)
     if value < 0 or (positive and value == 0):
         kind = "positive" if positive else "non-negative"
         raise ValueError(f"{name} must be a {kind} number of bytes, got {value}")
@@ -30,6 +32,7 @@ def _check_bytes(name, value, allow_none=True, positive=False):
         # The C++ layer takes 64-bit sizes; past that pybind11 answers only "incompatible
         # function arguments".
         raise ValueError(f"{name} must be at most 2**63 - 1 bytes, got {value}")
+    return value
 
 
 def _check_bool(name, value):
@@ -65,7 +68,7 @@ def install(device=None, conf=None, capacity_bytes=None):
         device = _C.describe_config(conf or "")["device"]
     if device not in ("cuda", "sim"):
         raise ValueError(f"device must be 'cuda' or 'sim', got {device!r}")
-    _check_bytes("capacity_bytes", capacity_bytes, positive=True)
+    capacity_bytes = _check_bytes("capacity_bytes", capacity_bytes, positive=True)
     if capacity_bytes is not None and device != "sim":
         # Before the CUDA checks below, which would name another problem.
         raise ValueError("capacity_bytes applies to device='sim' only")
@@ -156,9 +159,9 @@ def offload(policy=None, budget_bytes=None, min_bytes=None, prefetch_bytes=None)
     global _open_blocks
     if policy is not None and policy not in _POLICIES:
         raise ValueError(f"policy must be one of {', '.join(_POLICIES)}, got {policy!r}")
-    _check_bytes("budget_bytes", budget_bytes, positive=True)
-    _check_bytes("min_bytes", min_bytes)
-    _check_bytes("prefetch_bytes", prefetch_bytes)
+    budget_bytes = _check_bytes("budget_bytes", budget_bytes, positive=True)
+    min_bytes = _check_bytes("min_bytes", min_bytes)
+    prefetch_bytes = _check_bytes("prefetch_bytes", prefetch_bytes)
     _require_installed("offload")
     defaults = _C.offload_defaults()
     enclosing = _C.offload_config() if (_open_blocks > 0 or _process_wide) else None
@@ -191,11 +194,15 @@ def memory_stats(device=0):
 
 
 def reset_peak_stats(device=0):
+    """Resets the peaks of memory_stats(device) to the current values (PyTorch's
+    reset_peak_memory_stats)."""
     _require_installed("reset_peak_stats")
     _C.reset_peak_stats(_device_index(device))
 
 
 def empty_cache():
+    """Gives cached device segments nothing uses back to the device, and the pinned host memory
+    spilled data no longer uses back to the host (PyTorch's empty_cache, plus the host side)."""
     _require_installed("empty_cache")
     _C.empty_cache()
 
@@ -246,7 +253,9 @@ def keepers(tensor):
 
 def release(tensor, force=False):
     """Frees the storage's device memory now (the storage becomes 0 bytes) and reports who else
-    held it: {'freed_bytes', 'other_holders', 'keepers'}."""
+    held it: {'freed_bytes', 'other_holders', 'keepers'}. Refuses while tensors saved for
+    backward still need the storage, unless force=True (backward then raises where it reads them,
+    naming the release). Other tensors on the storage point at no memory afterwards."""
     _check_tensor("release", tensor)
     force = _check_bool("force", force)
     _require_installed("release")
@@ -254,7 +263,9 @@ def release(tensor, force=False):
 
 
 def residency(tensor):
-    """'resident', 'spilling', 'spilled', 'reloading', 'failed', or None if not offloaded."""
+    """Where the saved data of the tensor's storage is: 'resident' (on the device), 'spilling',
+    'spilled', 'reloading', 'failed' (a copy failed: backward raises when it reads it), or None
+    when Spillway tracks no saved tensor of that storage."""
     _check_tensor("residency", tensor)
     _require_installed("residency")
     return _C.residency(tensor)
@@ -305,10 +316,19 @@ def pluggable_allocator():
 
 
 def _device_index(device):
+    """The index of `device`: an int (numpy's too), a torch.device, or a string such as "cuda:1",
+    as torch.cuda's functions take it."""
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError as error:
+            raise ValueError(f"device {device!r} is not a device string ({error})") from None
     if isinstance(device, torch.device):
         device = device.index or 0
-    if isinstance(device, bool) or not isinstance(device, int):
-        raise ValueError(f"device must be an int index or torch.device, got {device!r}")
+    if isinstance(device, bool) or not isinstance(device, numbers.Integral):
+        raise ValueError(f"device must be an int index, torch.device or string like 'cuda:0', "
+                         f"got {device!r}")
+    device = int(device)
     if not 0 <= device <= 0x7FFFFFFF:
         raise ValueError(f"device index {device} is out of range: expected a non-negative index")
     return device

@@ -71,6 +71,22 @@ def test_reset_peak_and_empty_cache():
     assert spillway.memory_stats()["reserved_bytes.all.current"] < stats["reserved_bytes.all.current"]
 
 
+def test_numpy_integers_and_device_strings_are_taken_as_torch_takes_them():
+    """User review: numpy integers were refused as "must be an int number of bytes", and device
+    strings such as "cuda:0" (torch.cuda's functions take them) as not an index."""
+    import numpy as np
+    with spillway.offload("off", min_bytes=np.int64(1 << 20), prefetch_bytes=np.uint32(1 << 22),
+                          budget_bytes=np.int32(1 << 26)):
+        config = spillway._C.offload_config()
+    assert (config["min_bytes"], config["prefetch_bytes"], config["budget_bytes"]) == \
+        (1 << 20, 1 << 22, 1 << 26)
+    expected = spillway.memory_stats(0)["num_device_alloc"]
+    for device in ("cuda:0", "cuda", torch.device("cuda", 0), np.int64(0)):
+        assert spillway.memory_stats(device)["num_device_alloc"] == expected, device
+    with pytest.raises(ValueError, match="'gpu:x' is not a device string"):
+        spillway.memory_stats("gpu:x")
+
+
 def test_bad_device_index_is_a_value_error():
     with pytest.raises(ValueError, match="device index 3 is out of range"):
         spillway.memory_stats(3)
