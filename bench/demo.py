@@ -86,7 +86,8 @@ def main():
                       ["no offload", "eager"], os.path.join(OUT, "timeline.png"))
     print(f"\nsnapshots (open at pytorch.org/memory_viz): {without}\n  {with_eager}")
     print(f"memory timeline: {png}")
-    print(f"report: python3 -m spillway.report {without} {with_eager}")
+    # The first python3 on PATH may lack torch or the build: scripts/env.sh picks both.
+    print(f"report: source scripts/env.sh && python3 -m spillway.report {without} {with_eager}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ on one figure.
 """
 
 import argparse
+import os
 import pickle
 import sys
 
@@ -170,6 +171,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if len(args.snapshots) > 2:
         parser.error("give one or two snapshots")
+    if not args.output.lower().endswith(".png"):
+        parser.error(f"--output {args.output}: the timeline is a PNG; name a .png file")
+    out_dir = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(out_dir):
+        parser.error(f"--output {args.output}: no directory {out_dir}")
     snaps = []
     for path in args.snapshots:
         try:

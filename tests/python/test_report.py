@@ -144,3 +144,15 @@ def test_command_line_names_a_file_it_cannot_read(tmp_path):
         assert lines[0].startswith("python -m spillway.report: error: ") and str(path) in lines[0]
         assert reason in lines[0], lines[0]
     assert not (tmp_path / "out.png").exists()
+
+
+def test_command_line_names_an_output_it_cannot_write(tmp_path):
+    """User review: -o naming a missing directory or a non-PNG name was a traceback, exit 1."""
+    snap = tmp_path / "snap.pickle"
+    spillway.dump_snapshot(snap)
+    for output, reason in ((tmp_path / "nowhere" / "x.png", "no directory"),
+                           (tmp_path / "x.txt", "the timeline is a PNG")):
+        result = run_report(snap, "-o", output)
+        assert result.returncode == 2, (output, result.stderr)
+        assert "Traceback" not in result.stderr, result.stderr
+        assert reason in result.stderr and str(output) in result.stderr, result.stderr
