@@ -32,6 +32,11 @@ CachingAllocator::CachingAllocator(std::shared_ptr<Backend> backend, const Alloc
 }
 
 void CachingAllocator::ThrowBadDevice(int device) const {
+  if (device_count() == 0) {
+    throw InvalidArgumentError(absl::StrFormat(
+        "device index %d is out of range: the %s backend has no device (is a GPU visible?)",
+        device, backend_->name()));
+  }
   throw InvalidArgumentError(absl::StrFormat(
       "device index %d is out of range: the %s backend has %d device(s), valid indices are "
       "0..%d",

@@ -54,6 +54,16 @@ TEST_F(BadInputTest, WrongDeviceIndexIsRejected) {
   EXPECT_THROW(allocator_->SetMemoryFraction(0.5, -3), InvalidArgumentError);
 }
 
+// With no device at all (no GPU visible) the message says so, not "valid indices are 0..-1".
+TEST(BadInputNoDevice, AnyIndexIsRejectedNamingTheMissingDevice) {
+  CachingAllocator allocator(std::make_shared<SimBackend>(SimBackend::Options{.devices = 0}),
+                             AllocatorConfig{});
+  const std::string what = MessageOf([&] { allocator.stats(0); });
+  EXPECT_NE(what.find("device index 0 is out of range: the sim backend has no device"),
+            std::string::npos)
+      << what;
+}
+
 TEST_F(BadInputTest, AbsurdSizesAreRejected) {
   for (size_t size : {kMaxRequest + 1, static_cast<size_t>(-1), static_cast<size_t>(-512)}) {
     const std::string what = MessageOf([&] { Alloc(size); });
