@@ -490,10 +490,47 @@ std::vector<std::string_view> KeysOf(const KeySpec (&specs)[N]) {
   return keys;
 }
 
+// Edit distance (insertions, deletions, substitutions) between two short keys.
+size_t EditDistance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// The key among `keys` that `key` most likely misspells: within two edits (none for very short
+// keys, where two edits make anything out of anything).
+std::optional<std::string_view> Misspelled(std::string_view key,
+                                           const std::vector<std::string_view>& keys) {
+  if (key.size() < 4) return std::nullopt;
+  std::optional<std::string_view> best;
+  size_t best_distance = 3;
+  for (std::string_view candidate : keys) {
+    const size_t d = EditDistance(key, candidate);
+    if (d > 0 && d < best_distance) {
+      best = candidate;
+      best_distance = d;
+    }
+  }
+  return best;
+}
+
 absl::Status UnknownKey(std::string_view config, std::string_view key) {
-  return absl::InvalidArgumentError(
-      absl::StrFormat("unknown key '%s' in allocator config \"%s\"; accepted keys: %s, %s", key,
-                      config, Join(PytorchKeys(), ", "), Join(SpillwayKeys(), ", ")));
+  std::vector<std::string_view> all = PytorchKeys();
+  all.insert(all.end(), SpillwayKeys().begin(), SpillwayKeys().end());
+  const std::optional<std::string_view> near = Misspelled(key, all);
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "unknown key '%s' in allocator config \"%s\"%s; accepted keys: %s, %s", key, config,
+      near ? absl::StrFormat(" (did you mean '%s'?)", *near) : std::string(),
+      Join(PytorchKeys(), ", "), Join(SpillwayKeys(), ", ")));
 }
 
 // `backend:native` and `backend:cudaMallocAsync` are PyTorch's to act on, so a split leaves them
@@ -549,6 +586,12 @@ absl::StatusOr<SplitConfig> SplitPytorchConfig(std::string_view text) {
   Config scratch;  // Only to validate Spillway's values now rather than when they are used.
   for (const Item& item : *items) {
     if (!BelongsToSpillway(item)) {
+      // PyTorch's keys, known or not, are PyTorch's to judge; one a letter or two away from a
+      // Spillway key is a misspelling that nobody would ever report (on the simulated device
+      // PyTorch never reads the variable).
+      if (FindSpec(item.key) == nullptr && Misspelled(item.key, SpillwayKeys()).has_value()) {
+        return UnknownKey(text, item.key);
+      }
       pytorch.push_back(item.text);
       continue;
     }

@@ -260,6 +260,8 @@ TEST(ConfigTest, UnknownKeyNamesKeyAndListsAcceptedKeys) {
   }
   // Keys are case-sensitive, and PyTorch-only keys are not Spillway's.
   ExpectRejected("Max_Split_Size_MB:64", {"unknown key 'Max_Split_Size_MB'"});
+  ExpectRejected("max_split_size_md:64",
+                 {"unknown key 'max_split_size_md'", "(did you mean 'max_split_size_mb'?)"});
   ExpectRejected("expandable_segments:True", {"unknown key 'expandable_segments'"});
 }
 
@@ -406,6 +408,24 @@ TEST(SplitPytorchConfigTest, MixedStringKeepsItemTextAndOrder) {
   EXPECT_EQ(split.pytorch,
             "expandable_segments:True,max_split_size_mb:128,roundup_power2_divisions:[256:1, >:4],"
             "pinned_num_register_threads:8");
+}
+
+// A key a letter or two away from a Spillway key, in a string PyTorch may never read (on the
+// simulated device), is an error with a hint; PyTorch's own keys, known to Spillway or not, stay.
+TEST(SplitPytorchConfigTest, MisspelledSpillwayKeyIsRejectedWithAHint) {
+  const absl::StatusOr<SplitConfig> split =
+      SplitPytorchConfig("backend:spillway,device:sim,ofload:eager");
+  ASSERT_FALSE(split.ok());
+  EXPECT_NE(split.status().message().find("unknown key 'ofload'"), std::string::npos)
+      << split.status().message();
+  EXPECT_NE(split.status().message().find("(did you mean 'offload'?)"), std::string::npos)
+      << split.status().message();
+  const SplitConfig kept = SplitOk(
+      "backend:spillway,expandable_segments:True,pinned_use_cuda_host_register:True,"
+      "max_non_split_rounding_mb:4,release_lock_on_cudamalloc:True,backend:native");
+  EXPECT_EQ(kept.pytorch,
+            "expandable_segments:True,pinned_use_cuda_host_register:True,"
+            "max_non_split_rounding_mb:4,release_lock_on_cudamalloc:True,backend:native");
 }
 
 TEST(SplitPytorchConfigTest, OnlyPytorchItems) {

@@ -158,3 +158,16 @@ def test_a_bad_value_in_pytorchs_variable_still_leaves_pytorch_only_its_keys():
     assert out["installed"] == "None"
     assert out["SPILLWAY_ALLOC_CONF"] == "None"
     assert out["PYTORCH_CUDA_ALLOC_CONF"] == repr("max_split_size_mb:64")
+
+
+def test_a_misspelled_spillway_key_in_pytorchs_variable_is_reported():
+    """User review: `ofload:eager` next to backend:spillway was left to PyTorch, which on the
+    simulated device never reads the variable: the policy silently stayed `auto`."""
+    env = {"PYTHONUSERBASE": SITE,
+           "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,backend:spillway,device:sim,ofload:eager"}
+    result = run_script(ENV_SCRIPT, env=env)
+    assert "unknown key 'ofload'" in result.stderr and "did you mean 'offload'?" in result.stderr, \
+        result.stderr
+    out = lines_of(result)
+    assert out["installed"] == "None"
+    assert out["PYTORCH_CUDA_ALLOC_CONF"] == repr("max_split_size_mb:64")
