@@ -72,8 +72,17 @@ py::dict Release(const at::Tensor& tensor, bool force) {
         " tensor(s) saved for backward still keep this storage; releasing it would corrupt the "
         "backward pass. Pass force=True if they will never be read.");
   }
-  py::list keepers = Keepers(tensor);
   const c10::Storage& storage = tensor.storage();
+  // Memory of another allocator (torch.from_numpy, a tensor made before install): dropping the
+  // storage's hold frees nothing of Spillway's, and "freed_bytes" would say otherwise.
+  if (storage.data_ptr().get() != nullptr &&
+      !Runtime::Get().allocator().Lookup(storage.data_ptr().get()).has_value()) {
+    throw InvalidArgumentError(
+        "spillway.release: this tensor's memory is not Spillway's (another allocator made it: "
+        "torch.from_numpy, a tensor created before spillway.install, ...); release frees only "
+        "storages that Spillway allocated");
+  }
+  py::list keepers = Keepers(tensor);
   const int64_t ours = entry ? 1 : 0;
   // The tensor passed in is one holder; the caller asks about the others.
   const int64_t other_holders = static_cast<int64_t>(storage.use_count()) - ours - 1;

@@ -50,6 +50,18 @@ def test_release_frees_a_padded_base_that_a_view_still_holds():
     del holder
 
 
+def test_release_refuses_memory_that_is_not_spillways():
+    """User review: release(torch.from_numpy(a)) reported 4000 bytes freed, though the memory is
+    numpy's and stays allocated."""
+    import numpy as np
+    a = np.arange(1000, dtype=np.float32)
+    t = torch.from_numpy(a)
+    with pytest.raises(ValueError, match="this tensor's memory is not Spillway's"):
+        spillway.release(t)
+    assert t.untyped_storage().nbytes() == 4000 if hasattr(t, "untyped_storage") else True
+    assert torch.equal(t, torch.arange(1000, dtype=torch.float32))  # untouched
+
+
 def test_release_refuses_a_storage_saved_for_backward():
     x = torch.randn(64, 64, requires_grad=True)
     with spillway.offload("off", min_bytes=0):
