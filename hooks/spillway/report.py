@@ -77,6 +77,14 @@ def _span_bytes(keeper, element_size):
     return (last + 1) * element_size
 
 
+def _element_bytes(keeper, element_size):
+    """Bytes of the view's elements (what a reader of the view can use)."""
+    count = 1
+    for s in keeper["shape"]:
+        count *= s
+    return count * element_size
+
+
 def summary(snapshot, top=10):
     lines = []
     section = snapshot.get("spillway", {})
@@ -105,11 +113,14 @@ def summary(snapshot, top=10):
             continue
         element = e.get("element_size", 1)
         span = max(_span_bytes(k, element) for k in e["keepers"])
-        if span < e["nbytes"]:
+        # Extent is not use: a (512, 100) slice of 512 x 512 reaches nearly the end of the
+        # storage but reads a fifth of it. (Views that overlap count twice: at most the storage.)
+        used = min(e["nbytes"], sum(_element_bytes(k, element) for k in e["keepers"]))
+        if used < e["nbytes"]:
             found = True
             lines.append(f"  entry {e['entry']:#x}: {e['nbytes'] / MIB:.2f} MiB kept by views "
-                         f"reaching {span / MIB:.2f} MiB ({e['residency']}): "
-                         f"{_keepers_text(e['keepers'], 0)}")
+                         f"using {used / MIB:.2f} MiB of it, reaching {span / MIB:.2f} MiB "
+                         f"({e['residency']}): {_keepers_text(e['keepers'], 0)}")
     if not found:
         lines.append("  none")
 

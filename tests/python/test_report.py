@@ -75,8 +75,26 @@ def test_summary_names_a_storage_held_alive_only_by_a_view():
         loss = forward()
     text = report.summary(spillway.snapshot())
     section = text.split("Storages held alive only by views")[1].split("Storages released")[0]
-    assert "0.25 MiB kept by views reaching 0.02 MiB" in section, section
+    assert "0.25 MiB kept by views using 0.02 MiB of it, reaching 0.02 MiB" in section, section
     assert "saved (64, 64) stride (1, 64) offset 0" in section  # the transposed view mm saved
+    loss.backward()
+
+
+def test_summary_tells_use_from_extent():
+    """User review: a saved (512, 100) slice of a 512 x 512 storage reaches almost its end but
+    uses a fifth of it; the summary said "1.00 MiB kept by views reaching 1.00 MiB"."""
+    x = torch.randn(100, 8, requires_grad=True)
+
+    def forward():
+        base = torch.randn(512, 512)   # 1 MiB storage
+        view = base[:, :100]           # 0.2 MiB of elements, up to the last row
+        return (view @ x).sum()
+
+    with spillway.offload("off", min_bytes=0):
+        loss = forward()
+    text = report.summary(spillway.snapshot())
+    section = text.split("Storages held alive only by views")[1].split("Storages released")[0]
+    assert "1.00 MiB kept by views using 0.20 MiB of it, reaching 1.00 MiB" in section, section
     loss.backward()
 
 
