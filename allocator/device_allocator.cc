@@ -74,8 +74,9 @@ void DeviceAllocator::ResolveWatermark() {
 }
 
 size_t DeviceAllocator::TotalMemory() const {
-  // Asked only when a fraction is set: on CUDA the query creates the device's context, and a
-  // process that never uses a device (one rank per GPU) must not get a context on it.
+  // Asked once, and only where needed (a fraction set, a watermark once the device holds memory,
+  // the offload budget of a device in use): on CUDA the query creates the device's context, and
+  // a process that never uses a device (one rank per GPU) must not get a context on it.
   if (total_memory_ == 0) total_memory_ = backend_.mem_info(device_).total_bytes;
   return total_memory_;
 }

@@ -297,7 +297,9 @@ void OffloadEngine::Refresh(Entry& e, bool wait) {
     stats_.stall_us += NowMicros() - e.stall_since_us;
     e.stall_since_us = 0;
   }
-  ReleaseHost(e, std::nullopt);  // the H2D copy has completed
+  // The H2D copy has completed. A prefetch nobody acquired yet keeps its host copy, so that the
+  // out-of-memory rescue can take the device copy back for free (GiveBackPrefetches).
+  if (!e.prefetched) ReleaseHost(e, std::nullopt);
 }
 
 bool OffloadEngine::Eligible(const Entry& e) const {
@@ -311,6 +313,9 @@ bool OffloadEngine::PolicyMaySpill(const Entry& e) {
 }
 
 bool OffloadEngine::Spill(Entry& e) {
+  // A prefetch keeps its host copy until acquired, and the rescue gives those back rather than
+  // copy them out again (GiveBackPrefetches): never a second host buffer for one entry.
+  if (e.host != nullptr) return false;
   DeviceContext& dc = Device(e.device);
   absl::StatusOr<void*> host = absl::UnknownError("not tried");
   try {
@@ -437,6 +442,8 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
   if (e.prefetched) {
     prefetched_bytes_ -= e.nbytes;
     e.prefetched = false;
+    // Used now: the host copy kept for a give-back goes (if still copying, Refresh frees it).
+    if (e.state == Residency::kResident) ReleaseHost(e, std::nullopt);
   }
   if (e.state == Residency::kReloading && !skip_consumer_wait_) {
     backend_.stream_wait_event(e.device, consumer.handle, e.copy_done);

@@ -120,9 +120,11 @@ class OffloadEngine {
   void ForwardEnd();
   // Runs the spill policy now (the hooks call it after each save).
   void RunPolicy();
-  // Out-of-memory rescue: spills eligible entries on `device`, waiting for their copies, then
-  // gives back prefetches still unused, until `bytes` were released or nothing is left. Returns
-  // the bytes released.
+  // Out-of-memory rescue: gives back prefetches nobody used yet (no copy: their host copies are
+  // kept until use), then, except under "off", spills eligible entries on `device`, oldest first,
+  // waiting for their copies, until `bytes` were released or nothing is left. Nothing for an
+  // allocation of the engine's own prefetch (a guess that stops instead). Returns the bytes
+  // released.
   size_t ReleaseMemory(int device, size_t bytes);
   // Waits for every copy in flight and settles the states.
   void Synchronize();
@@ -189,9 +191,9 @@ class OffloadEngine {
   void DiscardCopies(Entry& e);
   void ReleaseHost(Entry& e, std::optional<StreamRef> last_use);
   size_t SpillOldest(int device, size_t target_allocated, bool include_window);
-  // Part of the rescue: turns prefetches whose copies have not been settled yet back into spilled
-  // entries (their host copies are still there), oldest first, until allocated bytes reach
-  // `target_allocated`. Returns the bytes released.
+  // Part of the rescue: turns prefetches nobody acquired yet back into spilled entries (their
+  // host copies are still there), oldest first, until allocated bytes reach `target_allocated`.
+  // Returns the bytes released.
   size_t GiveBackPrefetches(int device, size_t target_allocated);
   // Spills oldest saves until `incoming_bytes` more fit under the budget (less a hysteresis).
   void SpillToBudget(int device, size_t incoming_bytes);

@@ -51,7 +51,7 @@ struct OffloadEngine::Entry {
   uint64_t seq = 0;
   Residency state = Residency::kResident;
   absl::flat_hash_map<KeeperId, ViewInfo> keepers;
-  void* host = nullptr;             // pinned copy while spilling, spilled or reloading
+  void* host = nullptr;  // pinned copy: spilling, spilled, reloading, or prefetched and unused
   EventHandle copy_done = nullptr;  // the latest D2H or H2D copy of this entry
   StreamRef block_stream;           // allocation stream of the current device block
   bool acquired = false;            // handed to a consumer since its last spill

@@ -124,14 +124,21 @@ size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool incl
 size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {
   EngineLock lock(mutex_);
   if (device < 0 || device >= static_cast<int>(devices_.size())) return 0;
+  // Inside a policy step the allocation is a prefetch's (nothing else there allocates device
+  // memory): a guess, which stops when memory runs out rather than push other saves out.
+  if (in_policy_) return 0;
   const size_t allocated = AllocatedBytes(device);
   const size_t target = allocated > bytes ? allocated - bytes : 0;
   size_t released = 0;
   {
     PolicyScope scope(in_policy_);
-    // Under "off" nothing is spilled; prefetches of saves an inner block spilled still go back.
-    if (config_.policy != OffloadPolicy::kOff) released = SpillOldest(device, target, true);
-    if (AllocatedBytes(device) > target) released += GiveBackPrefetches(device, target);
+    // First what costs nothing now (prefetches nobody used yet: their host copies are still
+    // there), then spills, oldest saves first. Under "off" nothing is spilled, but prefetches of
+    // saves an inner block spilled still go back.
+    released = GiveBackPrefetches(device, target);
+    if (config_.policy != OffloadPolicy::kOff && AllocatedBytes(device) > target) {
+      released += SpillOldest(device, target, true);
+    }
   }
   if (released > 0) {
     // The allocator retries right after this returns: the freed blocks must be reusable. Each
@@ -154,20 +161,24 @@ size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {
 size_t OffloadEngine::GiveBackPrefetches(int device, size_t target_allocated) {
   // A prefetch nobody has used yet is a guess, and an allocation that fails otherwise comes first
   // (without this, prefetching made backward run out of memory where reloading at use fitted).
-  // Until its copy is settled the entry keeps its host copy: once the copy is done the device
-  // copy can go with no copy back. Oldest first: backward reads those last.
+  // Until it is acquired the entry keeps its host copy (Refresh): once the copy to the device is
+  // done, the device copy can go with no copy back. Oldest first: backward reads those last.
   size_t released = 0;
   for (auto& [seq, entry] : by_seq_) {
     if (AllocatedBytes(device) <= target_allocated) break;
     Entry& e = *entry;
-    if (e.device != device || !e.prefetched || e.state != Residency::kReloading ||
+    if (e.device != device || !e.prefetched || e.host == nullptr ||
         e.storage->external_holders() != 0) {
       continue;
     }
-    try {
-      backend_.synchronize_event(e.device, e.copy_done);
-    } catch (const BackendError& error) {
-      FailInFlight(e.device, Residency::kReloading, error.what());
+    if (e.state == Residency::kReloading) {
+      try {
+        backend_.synchronize_event(e.device, e.copy_done);
+      } catch (const BackendError& error) {
+        FailInFlight(e.device, Residency::kReloading, error.what());
+        continue;
+      }
+    } else if (e.state != Residency::kResident) {
       continue;
     }
     const auto info = allocator_.Lookup(e.storage->data());

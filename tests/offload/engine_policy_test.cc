@@ -355,14 +355,17 @@ TEST_F(OffloadPolicyTest, OffloadPrefetchRescueNeverSpillsTheEntryBeingAcquired)
 }
 
 // A prefetch is a guess: an allocation that fails otherwise gets its memory back, with no copy to
-// the host (the host copy is still there), whether the prefetch's copy is still running or done
-// but not yet settled; under "off" too (backward after an inner "eager" block). Regression: the
-// rescue spilled only settled resident entries, so with prefetch on backward ran out of memory
-// where reloading at use fitted.
+// the host (the host copy is kept until use), whether the prefetch's copy is still running, done
+// but not yet noticed, or settled; under "off" too (backward after an inner "eager" block).
+// Regression: the rescue spilled only settled resident entries, so with prefetch on backward ran
+// out of memory where reloading at use fitted.
 TEST_F(OffloadPolicyTest, OffloadRescueGivesBackUnusedPrefetches) {
-  for (const bool in_flight : {false, true}) {
+  enum class Copies { kRunning, kDone, kSettled };
+  for (const Copies copies : {Copies::kRunning, Copies::kDone, Copies::kSettled}) {
     for (const OffloadPolicy backward_policy : {OffloadPolicy::kEager, OffloadPolicy::kOff}) {
-      SCOPED_TRACE(in_flight ? "prefetch copies running" : "prefetch copies done");
+      SCOPED_TRACE(copies == Copies::kRunning ? "prefetch copies running"
+                   : copies == Copies::kDone  ? "prefetch copies done"
+                                              : "prefetch copies settled");
       SCOPED_TRACE(backward_policy == OffloadPolicy::kOff ? "off in backward" : "eager");
       OffloadConfig config = Policy(OffloadPolicy::kEager);
       config.prefetch_bytes = size_t{1} << 30;  // as far as the budget lets it
@@ -381,25 +384,35 @@ TEST_F(OffloadPolicyTest, OffloadRescueGivesBackUnusedPrefetches) {
       config.policy = backward_policy;
       engine_->SetConfig(config);
 
-      std::unique_ptr<SimBackend::StreamHold> hold =
-          backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
-      if (!in_flight) hold.reset();
-      void* first =
-          engine_->Acquire(ids[5], compute_);  // backward's first read prefetches the rest
-      saved[5]->holders = 1;                   // the unpacked tensor uses it
-      if (!in_flight) backend_->synchronize_stream(0, engine_->h2d_stream_for_testing(0).handle);
+      const StreamRef h2d = engine_->h2d_stream_for_testing(0);
+      std::unique_ptr<SimBackend::StreamHold> hold = backend_->hold_stream(0, h2d.handle);
+      if (copies != Copies::kRunning) hold.reset();
+      void* first = engine_->Acquire(ids[5], compute_);  // the first read prefetches the rest
+      saved[5]->holders = 1;                             // the unpacked tensor uses it
+      if (copies == Copies::kDone) backend_->synchronize_stream(0, h2d.handle);
+      if (copies == Copies::kSettled) engine_->Synchronize();
       ASSERT_EQ(AllocStat("allocated_bytes.all.current"), int64_t{48 * kMiB});
-      // The copies finish only while the rescue waits for them.
+      // Running copies finish only while the rescue waits for them.
       std::thread opener([&] {
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
         hold.reset();
       });
       void* p = nullptr;
       EXPECT_NO_THROW(p = allocator_->Malloc(12 * kMiB, 0, compute_));
+      // The new owner's bytes survive whatever the given-back copies were still to write.
+      const std::vector<uint8_t> mine = Pattern(12 * kMiB, 99);
+      if (p != nullptr) {
+        backend_->memcpy_async(0, p, mine.data(), mine.size(), CopyKind::kHostToDevice,
+                               compute_.handle);
+      }
       opener.join();
+      backend_->synchronize_stream(0, h2d.handle);
       EXPECT_EQ(EngineStat("num_spills"), 6) << "the rescue copied a prefetch back to the host";
       EXPECT_EQ(StateOf(saved[0]), Residency::kSpilled) << "the oldest prefetch was not given back";
-      if (p != nullptr) allocator_->Free(p);
+      if (p != nullptr) {
+        EXPECT_EQ(ReadOn(compute_, p, mine.size()), mine);
+        allocator_->Free(p);
+      }
       // Every save still reads back intact.
       EXPECT_EQ(ReadOn(compute_, first, 8 * kMiB), Pattern(8 * kMiB, 5));
       for (int i = 4; i >= 0; --i) {
@@ -407,6 +420,9 @@ TEST_F(OffloadPolicyTest, OffloadRescueGivesBackUnusedPrefetches) {
         EXPECT_EQ(ReadOn(compute_, ptr, 8 * kMiB), Pattern(8 * kMiB, static_cast<uint32_t>(i)))
             << i;
       }
+      // Acquired, the prefetches hold no host copy any more: only what is still spilled does.
+      engine_->Synchronize();
+      EXPECT_EQ(EngineStat("host_bytes.current"), 0);
     }
   }
 }
