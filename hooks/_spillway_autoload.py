@@ -74,6 +74,8 @@ def _set_or_unset(var, value):
 
 
 _pending = None  # the configuration string to install once torch is importable
+# (variable, item) pairs of honoured PyTorch keys from variables that do not name Spillway.
+_borrowed = []
 # SPILLWAY_ALLOC_CONF as the user set it (None: unset), put back if the install fails.
 _user_conf = None
 
@@ -89,6 +91,8 @@ def _run():
     lib = ctypes.CDLL(os.path.join(here, "spillway", "libspillway_alloc.so"))
     lib.spillway_last_error.restype = ctypes.c_char_p
     parts = []
+    global _borrowed
+    _borrowed = []
     for var in _PYTORCH_VARS:
         value = os.environ.get(var)
         if not value:
@@ -106,14 +110,16 @@ def _run():
             else:
                 del os.environ[var]
             parts.append(ours)
-        # PyTorch's keys that Spillway honours count whichever variable asked for Spillway (on
-        # CUDA PyTorch's own allocator, which would have read them, serves nothing).
-        parts.extend(_honoured_items(theirs))
+            parts.extend(_honoured_items(theirs))
+        else:
+            # PyTorch's keys that Spillway honours count even from a variable that does not name
+            # Spillway (on CUDA PyTorch's own allocator, which would have read them, serves
+            # nothing); but one Spillway's stricter parser refuses is skipped with a warning
+            # rather than keep Spillway from loading (finish_pending).
+            _borrowed.extend((var, item) for item in _honoured_items(theirs))
     _user_conf = os.environ.get("SPILLWAY_ALLOC_CONF")
     own = (_user_conf or "").strip()
-    if own:
-        parts.append(own)
-    conf = ",".join(p for p in parts if p)
+    conf = ",".join(p for p in parts + [item for _, item in _borrowed] + [own] if p)
     # The process allocator of libspillway_alloc.so reads SPILLWAY_ALLOC_CONF on first use: give
     # it the merged string, so every entry point sees the same configuration. If the install
     # fails, finish_pending puts the user's value back. The Spillway keys taken out of
@@ -163,6 +169,14 @@ def finish_pending():
     conf, _pending = _pending, None
     import spillway
     from spillway import _C
+
+    for var, item in _borrowed:
+        try:
+            _C.describe_config(item)
+        except ValueError as error:
+            print(f"spillway: ignoring {item!r} of {var}: {error}", file=sys.stderr)
+            conf = ",".join(i for i in _items(conf) if i != item)
+            os.environ["SPILLWAY_ALLOC_CONF"] = conf
 
     try:
         info = _C.describe_config(conf)

@@ -65,7 +65,8 @@ def install(device=None, conf=None, capacity_bytes=None):
     if conf is not None and not isinstance(conf, str):
         raise ValueError(f"conf must be a string like 'offload:auto,prefetch_mb:256', got {conf!r}")
     if device is None:
-        device = _C.describe_config(conf or "")["device"]
+        # The install in force (a repeat names nothing new), else the configuration's key.
+        device = _C.installed_mode() or _C.describe_config(conf or "")["device"]
     if device not in ("cuda", "sim"):
         raise ValueError(f"device must be 'cuda' or 'sim', got {device!r}")
     capacity_bytes = _check_bytes("capacity_bytes", capacity_bytes, positive=True)
@@ -277,13 +278,13 @@ def record_history(enabled=True, max_entries=100000, stacks="python"):
     enabled = _check_bool("enabled", enabled)
     if stacks not in ("python", "none", None):
         raise ValueError(f"stacks must be 'python' or 'none', got {stacks!r}")
-    if (isinstance(max_entries, bool) or not isinstance(max_entries, int)
+    if (isinstance(max_entries, bool) or not isinstance(max_entries, numbers.Integral)
             or not 1 <= max_entries <= _MAX_HISTORY_ENTRIES):
         raise ValueError(
             f"max_entries must be a positive int number of entries, at most "
             f"{_MAX_HISTORY_ENTRIES} (as for the history_entries key), got {max_entries!r}")
     _require_installed("record_history")
-    _C.record_history(enabled, max_entries, stacks or "none")
+    _C.record_history(enabled, int(max_entries), stacks or "none")
 
 
 def snapshot():
@@ -317,14 +318,24 @@ def pluggable_allocator():
 
 def _device_index(device):
     """The index of `device`: an int (numpy's too), a torch.device, or a string such as "cuda:1",
-    as torch.cuda's functions take it."""
+    as torch.cuda's functions take it ("cuda" alone: the current device). On the simulated
+    device, whose tensors are CPU tensors, "cpu" names device 0 too."""
     if isinstance(device, str):
         try:
             device = torch.device(device)
         except RuntimeError as error:
             raise ValueError(f"device {device!r} is not a device string ({error})") from None
     if isinstance(device, torch.device):
-        device = device.index or 0
+        sim = _C.installed_mode() == "sim"
+        if device.type != "cuda" and not (sim and device.type == "cpu"):
+            raise ValueError(f"device {str(device)!r} is not one Spillway serves: expected a "
+                             f"'cuda' device{' (or cpu on the simulated device)' if sim else ''}")
+        if device.index is not None:
+            device = device.index
+        elif device.type == "cuda" and not sim:
+            device = torch.cuda.current_device()
+        else:
+            device = 0
     if isinstance(device, bool) or not isinstance(device, numbers.Integral):
         raise ValueError(f"device must be an int index, torch.device or string like 'cuda:0', "
                          f"got {device!r}")

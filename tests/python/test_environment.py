@@ -80,6 +80,21 @@ def test_pytorch_keys_count_when_only_spillways_variable_asks():
     assert out["pytorch_conf"] == "max_split_size_mb:64"
 
 
+def test_a_pytorch_value_spillway_refuses_is_skipped_when_borrowed():
+    """A variable that does not name Spillway lends its honoured keys; one whose value Spillway's
+    stricter parser refuses (PyTorch reads "64MB" as 64) is skipped with a warning rather than
+    keep Spillway from loading."""
+    env = {"PYTHONUSERBASE": SITE, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64MB",
+           "SPILLWAY_ALLOC_CONF": "device:sim"}
+    result = run_script(PLAIN_SCRIPT, env=env)
+    assert "spillway: ignoring 'max_split_size_mb:64MB' of PYTORCH_CUDA_ALLOC_CONF" in \
+        result.stderr, result.stderr
+    out = lines_of(result)
+    assert out["installed"] == "sim"
+    assert out["max_split_size"] == "-1"
+    assert out["pytorch_conf"] == "max_split_size_mb:64MB"
+
+
 def test_offload_off_registers_saved_tensors_and_spills_nothing():
     env = {"PYTHONUSERBASE": SITE, "SPILLWAY_ALLOC_CONF": "device:sim,offload:off,offload_min_kb:0"}
     out = lines_of(run_script(PLAIN_SCRIPT, env=env))

@@ -81,10 +81,14 @@ def test_numpy_integers_and_device_strings_are_taken_as_torch_takes_them():
     assert (config["min_bytes"], config["prefetch_bytes"], config["budget_bytes"]) == \
         (1 << 20, 1 << 22, 1 << 26)
     expected = spillway.memory_stats(0)["num_device_alloc"]
-    for device in ("cuda:0", "cuda", torch.device("cuda", 0), np.int64(0)):
+    for device in ("cuda:0", "cuda", torch.device("cuda", 0), np.int64(0), "cpu"):
         assert spillway.memory_stats(device)["num_device_alloc"] == expected, device
     with pytest.raises(ValueError, match="'gpu:x' is not a device string"):
         spillway.memory_stats("gpu:x")
+    with pytest.raises(ValueError, match="'meta' is not one Spillway serves"):
+        spillway.memory_stats("meta")
+    spillway.record_history(True, max_entries=np.int64(1000))
+    spillway.record_history(False)
 
 
 def test_bad_device_index_is_a_value_error():
@@ -234,7 +238,7 @@ def test_an_install_that_names_nothing_new_is_the_same_install():
         print("installed", spillway.installed())
         for kwargs in ({"device": "sim", "conf": "offload:eager", "capacity_bytes": 64 << 20},
                        {"device": "sim"}, {"conf": "capacity_mb:64,device:sim"},
-                       {"device": "sim", "conf": "prefetch_mb:256"}):
+                       {"device": "sim", "conf": "prefetch_mb:256"}, {}, {"conf": "offload:eager"}):
             spillway.install(**kwargs)
             print("same install", kwargs)
         for kwargs in ({"device": "sim", "capacity_bytes": 128 << 20},
@@ -247,7 +251,7 @@ def test_an_install_that_names_nothing_new_is_the_same_install():
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "installed sim" in out, out
-    assert out.count("same install") == 4, out
+    assert out.count("same install") == 6, out
     assert ("refused {'device': 'sim', 'capacity_bytes': 134217728} spillway is already installed "
             '(device=sim, conf="device:sim,offload:eager,capacity_mb:64")') in out, out
     assert "refused {'device': 'sim', 'conf': 'offload:auto'} spillway is already" in out, out
