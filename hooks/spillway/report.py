@@ -38,7 +38,9 @@ def series(snapshot, device=0):
     d_reserved = {"segment_alloc": 1, "segment_free": -1}
     start_allocated = end_allocated - sum(d_alloc.get(e["action"], 0) * e["size"] for e in trace)
     start_reserved = end_reserved - sum(d_reserved.get(e["action"], 0) * e["size"] for e in trace)
-    d_spill = {"spill": 1, "reload": -1, "drop_spilled": -1, "prefetch_given_back": 1}
+    # "failed" is noted only for a spill whose copy failed: its bytes never reached the host.
+    d_spill = {"spill": 1, "reload": -1, "drop_spilled": -1, "prefetch_given_back": 1,
+               "failed": -1}
     end_spilled = section.get("stats", {}).get("spilled_bytes.current", 0)
     start_spilled = end_spilled - sum(d_spill.get(e["action"], 0) * e["bytes"]
                                       for e in offload_events)
@@ -78,10 +80,11 @@ def _span_bytes(keeper, element_size):
 
 
 def _element_bytes(keeper, element_size):
-    """Bytes of the view's elements (what a reader of the view can use)."""
+    """Bytes of the view's distinct elements (what a reader of the view can use): a dimension of
+    stride 0 (a broadcast) repeats the same elements."""
     count = 1
-    for s in keeper["shape"]:
-        count *= s
+    for s, st in zip(keeper["shape"], keeper["stride"]):
+        count *= s if st != 0 else min(s, 1)
     return count * element_size
 
 
@@ -178,15 +181,18 @@ def plot(snapshots, labels, path):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m spillway.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("snapshots", nargs="+", help="one or two pickles from spillway.dump_snapshot")
-    parser.add_argument("-o", "--output", default="spillway_timeline.png", help="PNG to write")
+    parser.add_argument("-o", "--output", default="spillway_timeline.png", help="image to write (.png, .svg or .pdf)")
     args = parser.parse_args(argv)
     if len(args.snapshots) > 2:
         parser.error("give one or two snapshots")
-    if not args.output.lower().endswith(".png"):
-        parser.error(f"--output {args.output}: the timeline is a PNG; name a .png file")
+    if not args.output.lower().endswith((".png", ".svg", ".pdf")):
+        parser.error(f"--output {args.output}: the timeline is an image; name a .png, .svg or "
+                     ".pdf file")
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         parser.error(f"--output {args.output}: no directory {out_dir}")
+    if not os.access(out_dir, os.W_OK):
+        parser.error(f"--output {args.output}: directory {out_dir} is not writable")
     snaps = []
     for path in args.snapshots:
         try:

@@ -169,8 +169,21 @@ def test_command_line_names_an_output_it_cannot_write(tmp_path):
     snap = tmp_path / "snap.pickle"
     spillway.dump_snapshot(snap)
     for output, reason in ((tmp_path / "nowhere" / "x.png", "no directory"),
-                           (tmp_path / "x.txt", "the timeline is a PNG")):
+                           (tmp_path / "x.txt", "name a .png, .svg or .pdf file")):
         result = run_report(snap, "-o", output)
         assert result.returncode == 2, (output, result.stderr)
         assert "Traceback" not in result.stderr, result.stderr
         assert reason in result.stderr and str(output) in result.stderr, result.stderr
+
+
+def test_spilled_timeline_follows_every_offload_event_kind():
+    """The spilled curve starts at 0 and ends at the engine's spilled bytes whatever happened in
+    between: a failed spill and a given-back prefetch move it too."""
+    events = [("spill", 4), ("spill", 2), ("failed", 2), ("reload", 4), ("prefetch_given_back", 4),
+              ("drop_spilled", 4), ("spill", 8)]
+    snap = {"segments": [], "device_traces": [[]],
+            "spillway": {"stats": {"spilled_bytes.current": 8},
+                         "events": [{"time_us": i, "action": a, "device": 0, "bytes": b}
+                                    for i, (a, b) in enumerate(events)]}}
+    spilled = report.series(snap)["spilled"]
+    assert spilled == [0, 4, 6, 4, 0, 4, 0, 8]
