@@ -34,8 +34,8 @@ CachingAllocator::CachingAllocator(std::shared_ptr<Backend> backend, const Alloc
 void CachingAllocator::ThrowBadDevice(int device) const {
   if (device_count() == 0) {
     throw InvalidArgumentError(absl::StrFormat(
-        "device index %d is out of range: the %s backend has no device (is a GPU visible?)",
-        device, backend_->name()));
+        "device index %d is out of range: the %s backend has no device (is a GPU visible?)", device,
+        backend_->name()));
   }
   throw InvalidArgumentError(absl::StrFormat(
       "device index %d is out of range: the %s backend has %d device(s), valid indices are "
