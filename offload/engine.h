@@ -63,6 +63,8 @@ struct EntryInfo {
   size_t nbytes = 0;
   int device = 0;
   Residency residency = Residency::kResident;
+  // Brought back ahead of use and not read yet: it keeps its host copy until read (or given back).
+  bool prefetched = false;
   int64_t external_holders = 0;
   std::vector<KeeperInfo> keepers;
   int64_t spill_count = 0;

@@ -22,6 +22,7 @@ std::optional<EntryInfo> OffloadEngine::Describe(const void* key) const {
   info.nbytes = e.nbytes;
   info.device = e.device;
   info.residency = e.state;
+  info.prefetched = e.prefetched;
   info.external_holders = e.storage->external_holders();
   for (const auto& [id, view] : e.keepers) info.keepers.push_back(KeeperInfo{id, view});
   std::sort(info.keepers.begin(), info.keepers.end(),

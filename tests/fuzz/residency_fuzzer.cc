@@ -412,7 +412,12 @@ class Harness {
         case Residency::kFailed:
           FUZZ_CHECK(!"an entry failed although no fault was injected");
       }
-      if (info->residency != Residency::kResident) host += n;
+      // A prefetch keeps its host copy until it is read.
+      if (info->prefetched) {
+        FUZZ_CHECK(info->residency == Residency::kResident ||
+                   info->residency == Residency::kReloading);
+      }
+      if (info->residency != Residency::kResident || info->prefetched) host += n;
       if (has_memory) ++with_memory;
     }
     FUZZ_CHECK(stats.spilled_bytes.current == spilled);
