@@ -22,7 +22,10 @@ DeviceAllocator::DeviceAllocator(Backend& backend, int device, const AllocatorCo
                            ? std::optional(config.per_process_memory_fraction)
                            : std::nullopt),
       memory_limit_bytes_(config.memory_limit_bytes) {
-  limit_ = ComputeLimit();
+  // Not ComputeLimit() now: a fraction needs the device total, which on CUDA creates a context,
+  // and a process using one GPU of eight (one rank per GPU) must not get one on each.
+  limit_ = memory_limit_bytes_;
+  limit_resolved_ = !memory_fraction_.has_value();
 }
 
 DeviceAllocator::~DeviceAllocator() {
@@ -68,7 +71,7 @@ void DeviceAllocator::ResolveWatermark() {
     return;
   }
   // A limit beyond the device (memory_limit_mb larger than it) is no base for a budget.
-  const size_t base = limit_ == 0 ? TotalMemory() : std::min(limit_, TotalMemory());
+  const size_t base = Limit() == 0 ? TotalMemory() : std::min(Limit(), TotalMemory());
   watermark_.store(static_cast<size_t>(watermark_fraction_ * static_cast<double>(base)),
                    std::memory_order_relaxed);
 }
@@ -79,6 +82,14 @@ size_t DeviceAllocator::TotalMemory() const {
   // a process that never uses a device (one rank per GPU) must not get a context on it.
   if (total_memory_ == 0) total_memory_ = backend_.mem_info(device_).total_bytes;
   return total_memory_;
+}
+
+size_t DeviceAllocator::Limit() const {
+  if (!limit_resolved_) {
+    limit_ = ComputeLimit();
+    limit_resolved_ = true;
+  }
+  return limit_;
 }
 
 size_t DeviceAllocator::ComputeLimit() const {
@@ -230,7 +241,7 @@ size_t DeviceAllocator::LeastSegmentSize(size_t rounded) const {
 
 BlockId DeviceAllocator::NewSegment(PoolKind kind, StreamRef stream, size_t segment_size) {
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
-  if (limit_ != 0 && reserved + segment_size > limit_) return kNoBlock;
+  if (const size_t limit = Limit(); limit != 0 && reserved + segment_size > limit) return kNoBlock;
   absl::StatusOr<void*> memory = backend_.device_malloc(device_, segment_size);
   if (!memory.ok()) {
     if (absl::IsResourceExhausted(memory.status())) return kNoBlock;
@@ -449,8 +460,8 @@ void DeviceAllocator::ReleaseCachedSegments(size_t until_freed) {
 }
 
 void DeviceAllocator::GarbageCollect(size_t incoming) {
-  if (gc_threshold_ <= 0.0 || limit_ == 0) return;
-  const auto target = static_cast<size_t>(gc_threshold_ * static_cast<double>(limit_));
+  if (gc_threshold_ <= 0.0 || Limit() == 0) return;
+  const auto target = static_cast<size_t>(gc_threshold_ * static_cast<double>(Limit()));
   auto reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
   if (reserved + incoming <= target) return;
   // Oldest wholly free segments first: they are the least likely to be wanted again soon.
@@ -501,6 +512,7 @@ void DeviceAllocator::SetMemoryFraction(double fraction) {
   std::lock_guard lock(mutex_);
   memory_fraction_ = fraction;
   limit_ = ComputeLimit();
+  limit_resolved_ = true;
   ResolveWatermark();
 }
 
@@ -508,12 +520,13 @@ void DeviceAllocator::SetMemoryLimit(size_t bytes) {
   std::lock_guard lock(mutex_);
   memory_limit_bytes_ = bytes;
   limit_ = ComputeLimit();
+  limit_resolved_ = true;
   ResolveWatermark();
 }
 
 size_t DeviceAllocator::memory_limit() const {
   std::lock_guard lock(mutex_);
-  return limit_;
+  return Limit();
 }
 
 size_t DeviceAllocator::total_memory() const {
@@ -542,7 +555,7 @@ void DeviceAllocator::ThrowOutOfMemory(size_t requested, size_t rounded) {
       device_, FormatBytes(requested), FormatBytes(rounded),
       FormatBytes(static_cast<size_t>(stats_.allocated_bytes.all().current)),
       FormatBytes(static_cast<size_t>(stats_.reserved_bytes.all().current)),
-      limit_ == 0 ? std::string("none") : FormatBytes(limit_), FormatBytes(info.free_bytes),
+      Limit() == 0 ? std::string("none") : FormatBytes(Limit()), FormatBytes(info.free_bytes),
       FormatBytes(info.total_bytes), FormatBytes(LargestFreeBlockLocked()));
   throw OutOfMemoryError(message, requested, device_);
 }

@@ -211,6 +211,8 @@ class DeviceAllocator {
   SegmentMap::const_iterator SegmentContaining(uintptr_t address) const;
   void ResolveWatermark();
   size_t TotalMemory() const;
+  // limit_, resolved first if a configured fraction is still pending. Under mutex_.
+  size_t Limit() const;
 
   Backend& backend_;
   const int device_;
@@ -233,7 +235,10 @@ class DeviceAllocator {
   HistoryRing history_;
   std::optional<double> memory_fraction_;
   size_t memory_limit_bytes_ = 0;
-  size_t limit_ = 0;   // effective: min of the two when set, 0 = none
+  // Effective: min of the two when set, 0 = none. A fraction from the configuration is resolved
+  // on the device's first need (Limit()): the device total it needs creates a CUDA context.
+  mutable size_t limit_ = 0;
+  mutable bool limit_resolved_ = true;
   int64_t clock_ = 0;  // counts segment allocations, ages free segments for GC
   std::atomic<size_t> watermark_{std::numeric_limits<size_t>::max()};
   double watermark_fraction_ = 0.0;  // 0: watermark_ is in bytes as set

@@ -267,6 +267,22 @@ TEST(DeviceMemoryQueries, OnlyWhenAFractionNeedsTheTotal) {
   EXPECT_EQ(backend->mem_info_calls.count(0) + backend->mem_info_calls.count(3), 0u);
 }
 
+// A fraction from the configuration (per_process_memory_fraction) asked every device for its
+// total when the allocator was made: on CUDA a context on each GPU of the node, for every rank.
+TEST(DeviceMemoryQueries, AConfiguredFractionResolvesOnTheDevicesFirstNeed) {
+  auto backend = CountingSimBackend::Make(3, 64 * kMiB);
+  AllocatorConfig config;
+  config.per_process_memory_fraction = 0.25;  // 16 MiB
+  CachingAllocator allocator(backend, config);
+  EXPECT_TRUE(backend->mem_info_calls.empty());
+  const StreamRef stream = backend->default_stream(1);
+  void* a = allocator.Malloc(12 * kMiB, 1, stream);
+  EXPECT_THROW(allocator.Malloc(12 * kMiB, 1, stream), OutOfMemoryError);  // past the limit
+  EXPECT_EQ(allocator.memory_limit(1), 16 * kMiB);
+  EXPECT_EQ(backend->mem_info_calls.count(0) + backend->mem_info_calls.count(2), 0u);
+  allocator.Free(a);
+}
+
 TEST(DeviceMemoryQueries, AFractionWatermarkResolvesOnTheDevicesFirstMemory) {
   auto backend = CountingSimBackend::Make(3, 64 * kMiB);
   CachingAllocator allocator(backend, AllocatorConfig{});
