@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_format.h"
+#include "allocator/key_spelling.h"
 
 namespace spillway {
 namespace {
@@ -488,39 +489,6 @@ std::vector<std::string_view> KeysOf(const KeySpec (&specs)[N]) {
   std::vector<std::string_view> keys;
   for (const KeySpec& spec : specs) keys.push_back(spec.key);
   return keys;
-}
-
-// Edit distance (insertions, deletions, substitutions) between two short keys.
-size_t EditDistance(std::string_view a, std::string_view b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diagonal = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      const size_t above = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = above;
-    }
-  }
-  return row[b.size()];
-}
-
-// The key among `keys` that `key` most likely misspells: within two edits (none for very short
-// keys, where two edits make anything out of anything).
-std::optional<std::string_view> Misspelled(std::string_view key,
-                                           const std::vector<std::string_view>& keys) {
-  if (key.size() < 4) return std::nullopt;
-  std::optional<std::string_view> best;
-  size_t best_distance = 3;
-  for (std::string_view candidate : keys) {
-    const size_t d = EditDistance(key, candidate);
-    if (d > 0 && d < best_distance) {
-      best = candidate;
-      best_distance = d;
-    }
-  }
-  return best;
 }
 
 absl::Status UnknownKey(std::string_view config, std::string_view key) {

@@ -460,8 +460,9 @@ void DeviceAllocator::ReleaseCachedSegments(size_t until_freed) {
 }
 
 void DeviceAllocator::GarbageCollect(size_t incoming) {
-  if (gc_threshold_ <= 0.0 || Limit() == 0) return;
-  const auto target = static_cast<size_t>(gc_threshold_ * static_cast<double>(Limit()));
+  const size_t limit = Limit();
+  if (gc_threshold_ <= 0.0 || limit == 0) return;
+  const auto target = static_cast<size_t>(gc_threshold_ * static_cast<double>(limit));
   auto reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
   if (reserved + incoming <= target) return;
   // Oldest wholly free segments first: they are the least likely to be wanted again soon.

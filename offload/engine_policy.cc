@@ -94,12 +94,9 @@ size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool incl
   size_t released = 0;
   const auto spill = [&](Entry& e) {
     const auto info = allocator_.Lookup(e.storage->data());
-    if (!Spill(e)) return;  // still resident, a prefetch still (PolicyMaySpill stays false)
+    // Refused for a prefetch (it keeps its host copy until read): GiveBackPrefetches takes those.
+    if (!Spill(e)) return;
     released += info ? info->size : e.nbytes;
-    if (e.prefetched) {
-      prefetched_bytes_ -= e.nbytes;
-      e.prefetched = false;
-    }
   };
   if (include_window) {
     // The rescue (an allocation would fail otherwise): any eligible entry, oldest first, the
