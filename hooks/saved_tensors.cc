@@ -33,6 +33,14 @@ const char* SkipReason(const at::Tensor& t, const Runtime& runtime) {
 
 }  // namespace
 
+SavedHandle::SavedHandle(const at::Tensor& kept) : kept_(kept.defined() ? kept.detach() : kept) {
+  if (!kept.defined()) return;
+  options_ = kept.options();
+  if (!kept.is_nested()) sizes_ = kept.sizes().vec();  // for messages; nested tensors have none
+  version_counter_ = kept.unsafeGetTensorImpl()->version_counter();
+  if (version_counter_.enabled()) saved_version_ = version_counter_.current_version();
+}
+
 SavedHandle::SavedHandle(KeeperId id, const at::Tensor& t)
     : id_(id),
       sizes_(t.sizes().vec()),
@@ -61,15 +69,21 @@ std::string SavedHandle::Describe() const {
   return out.str();
 }
 
-at::Tensor SavedHandle::Unpack() const {
-  if (!managed()) return kept_;
+void SavedHandle::CheckVersion() const {
+  if (!version_counter_.enabled()) return;  // undefined, or an inference tensor: nothing to track
   const uint32_t current = version_counter_.current_version();
   TORCH_CHECK(current == saved_version_,
               "one of the variables needed for gradient computation has been modified by an "
               "inplace operation: [",
               Describe(), "] is at version ", current, "; expected version ", saved_version_,
-              " instead. Hint: the tensor was saved for backward (offloaded by Spillway) and "
-              "changed in place afterwards.");
+              " instead. Hint: the tensor was saved for backward (",
+              managed() ? "offloaded" : "kept as it is",
+              " by Spillway) and changed in place afterwards.");
+}
+
+at::Tensor SavedHandle::Unpack() const {
+  CheckVersion();
+  if (!managed()) return kept_;
   Runtime& runtime = Runtime::Get();
   OffloadEngine& engine = runtime.engine();
   auto storage = std::dynamic_pointer_cast<TorchStorage>(engine.StorageOf(id_));
@@ -110,6 +124,12 @@ std::shared_ptr<SavedHandle> Pack(const at::Tensor& tensor) {
     return std::make_shared<SavedHandle>(tensor);
   }
   const c10::Storage& storage = tensor.storage();
+  // A second storage over Spillway's memory: spilling it would free nothing, and it has no
+  // allocator to reload with. (Empty storages are the engine's to count.)
+  if (storage.nbytes() > 0 && !MadeBySpillway(storage)) {
+    engine.CountSkip(kSkipForeign);
+    return std::make_shared<SavedHandle>(tensor);
+  }
   const int device = DeviceIndexOf(tensor);
   ViewInfo view;
   view.offset = tensor.storage_offset();

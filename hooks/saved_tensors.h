@@ -15,10 +15,13 @@
 namespace spillway::torch_layer {
 
 // What pack returns. Either a managed keeper (the engine owns the storage's residency) or the
-// tensor as it was (anything Spillway does not offload: the reason was counted as skipped).
+// tensor as it was (anything Spillway does not offload: the reason was counted as skipped), kept
+// detached: the saved output of an op holds its grad_fn, which holds this handle, and that loop
+// runs through autograd's C++ nodes, where Python's collector cannot break it (PyTorch saves
+// outputs without their grad_fn for the same reason). Autograd rebuilds the grad_fn at unpack.
 class SavedHandle {
  public:
-  explicit SavedHandle(at::Tensor kept) : kept_(std::move(kept)) {}
+  explicit SavedHandle(const at::Tensor& kept);
   SavedHandle(KeeperId id, const at::Tensor& t);
   ~SavedHandle();
   SavedHandle(const SavedHandle&) = delete;
@@ -30,6 +33,8 @@ class SavedHandle {
   std::string Describe() const;  // "float32[8, 16]" for messages
 
  private:
+  void CheckVersion() const;
+
   at::Tensor kept_;
   KeeperId id_ = 0;
   std::vector<int64_t> sizes_;
@@ -39,7 +44,7 @@ class SavedHandle {
   bool conj_ = false;
   bool neg_ = false;
   // With hooks installed, autograd does not compare versions itself: the handle does, so an
-  // in-place change of a saved tensor still raises autograd's usual error.
+  // in-place change of a saved tensor (managed or kept) still raises autograd's usual error.
   c10::VariableVersion version_counter_{c10::VariableVersion::DISABLED};
   uint32_t saved_version_ = 0;
 };

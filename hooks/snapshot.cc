@@ -22,6 +22,25 @@ namespace {
 
 constexpr int kMaxFrames = 64;
 
+// PyFrame_GetCode and PyFrame_GetBack came with Python 3.9; torch 2.4 still supports 3.8, whose
+// frame fields are public.
+PyCodeObject* FrameCode(PyFrameObject* frame) {
+#if PY_VERSION_HEX >= 0x03090000
+  return PyFrame_GetCode(frame);
+#else
+  Py_INCREF(frame->f_code);
+  return frame->f_code;
+#endif
+}
+PyFrameObject* FrameBack(PyFrameObject* frame) {
+#if PY_VERSION_HEX >= 0x03090000
+  return PyFrame_GetBack(frame);
+#else
+  Py_XINCREF(frame->f_back);
+  return frame->f_back;
+#endif
+}
+
 // Python frames of the allocating thread, innermost first. PyTorch releases the GIL inside ops,
 // so it is taken here, as PyTorch's own stack gathering does. The allocator never calls this with
 // its locks held; allocations the offload engine makes (reloads) happen under the engine's lock,
@@ -35,13 +54,13 @@ TraceContext GatherPythonFrames() {
   PyFrameObject* frame = PyEval_GetFrame();  // borrowed
   Py_XINCREF(frame);
   while (frame != nullptr && static_cast<int>(frames->size()) < kMaxFrames) {
-    PyCodeObject* code = PyFrame_GetCode(frame);  // new reference
+    PyCodeObject* code = FrameCode(frame);  // new reference
     const char* filename = PyUnicode_AsUTF8(code->co_filename);
     const char* name = PyUnicode_AsUTF8(code->co_name);
     frames->push_back(
         PythonFrame{filename ? filename : "?", PyFrame_GetLineNumber(frame), name ? name : "?"});
     Py_DECREF(code);
-    PyFrameObject* back = PyFrame_GetBack(frame);  // new reference
+    PyFrameObject* back = FrameBack(frame);  // new reference
     Py_DECREF(frame);
     frame = back;
   }

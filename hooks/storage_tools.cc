@@ -6,6 +6,7 @@
 
 #include "allocator/errors.h"
 #include "hooks/runtime.h"
+#include "hooks/torch_storage.h"
 
 namespace py = pybind11;
 
@@ -73,14 +74,15 @@ py::dict Release(const at::Tensor& tensor, bool force) {
         "backward pass. Pass force=True if they will never be read.");
   }
   const c10::Storage& storage = tensor.storage();
-  // Memory of another allocator (torch.from_numpy, a tensor made before install): dropping the
-  // storage's hold frees nothing of Spillway's, and "freed_bytes" would say otherwise.
-  if (storage.data_ptr().get() != nullptr &&
-      !Runtime::Get().allocator().Lookup(storage.data_ptr().get()).has_value()) {
+  // Memory of another allocator (torch.from_numpy, a tensor made before install), or a second
+  // storage over Spillway's (torch.from_numpy(t.numpy()), DLPack): dropping the storage's hold
+  // frees nothing of Spillway's, and "freed_bytes" would say otherwise.
+  if (storage.data_ptr().get() != nullptr && !MadeBySpillway(storage)) {
     throw InvalidArgumentError(
-        "spillway.release: this tensor's memory is not Spillway's (another allocator made it: "
-        "torch.from_numpy, a tensor created before spillway.install, ...); release frees only "
-        "storages that Spillway allocated");
+        "spillway.release: this tensor's memory is not Spillway's, or not through this storage "
+        "(another allocator made it: torch.from_numpy, a tensor created before spillway.install, "
+        "or a second storage over Spillway's memory: torch.from_numpy(t.numpy()), DLPack); "
+        "release frees only storages that Spillway allocated");
   }
   py::list keepers = Keepers(tensor);
   const int64_t ours = entry ? 1 : 0;

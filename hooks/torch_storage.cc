@@ -4,8 +4,19 @@
 #include <c10/util/Exception.h>
 
 #include "allocator/errors.h"
+#include "hooks/runtime.h"
+#include "hooks/sim_cpu_allocator.h"
 
 namespace spillway::torch_layer {
+
+bool MadeBySpillway(const c10::Storage& storage) {
+  const c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
+  if (impl->allocator() == nullptr) return false;
+  // On the simulated device the deleter says it for sure (CPU storages made before install, by
+  // PyTorch's own allocator, have one too).
+  if (Runtime::Get().mode() == Mode::kSim) return SimCpuAllocator::Owns(impl->data_ptr());
+  return Runtime::Get().allocator().Lookup(impl->data_ptr().get()).has_value();
+}
 
 void TorchStorage::drop_device_memory() {
   // The old DataPtr's deleter hands the block back to Spillway's allocator; its reuse is held

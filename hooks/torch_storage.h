@@ -7,6 +7,11 @@
 
 namespace spillway::torch_layer {
 
+// Whether `storage` is one that Spillway's allocator made, and so can free and make again. A
+// second storage over the same memory (torch.from_numpy(t.numpy()), DLPack, at::from_blob) has
+// no allocator, and dropping its memory frees nothing but its hold on the first.
+bool MadeBySpillway(const c10::Storage& storage);
+
 class TorchStorage final : public Storage {
  public:
   TorchStorage(c10::Storage storage, int device) : storage_(std::move(storage)), device_(device) {}

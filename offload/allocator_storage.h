@@ -15,9 +15,9 @@ namespace spillway {
 class AllocatorStorage : public Storage {
  public:
   AllocatorStorage(CachingAllocator& allocator, size_t nbytes, StreamRef stream,
-                   int64_t holders = 1)
-      : holders(holders), allocator_(allocator), nbytes_(nbytes) {
-    ptr_ = allocator_.Malloc(nbytes, 0, stream);
+                   int64_t holders = 1, int device = 0)
+      : holders(holders), allocator_(allocator), nbytes_(nbytes), device_(device) {
+    ptr_ = allocator_.Malloc(nbytes, device_, stream);
   }
   ~AllocatorStorage() override {
     if (ptr_ != nullptr) allocator_.Free(ptr_);
@@ -27,14 +27,14 @@ class AllocatorStorage : public Storage {
 
   void* data() const override { return ptr_; }
   size_t nbytes() const override { return nbytes_; }
-  int device() const override { return 0; }
+  int device() const override { return device_; }
   int64_t external_holders() const override { return holders.load(); }
   void drop_device_memory() override {
     allocator_.Free(ptr_);
     ptr_ = nullptr;
   }
   void* allocate_device_memory(StreamRef stream) override {
-    ptr_ = allocator_.Malloc(nbytes_, 0, stream);
+    ptr_ = allocator_.Malloc(nbytes_, device_, stream);
     return ptr_;
   }
 
@@ -44,6 +44,7 @@ class AllocatorStorage : public Storage {
  private:
   CachingAllocator& allocator_;
   size_t nbytes_;
+  int device_;
   void* ptr_ = nullptr;
 };
 

@@ -136,8 +136,13 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   const KeeperId id = next_keeper_++;
   e.keepers.emplace(id, std::move(view));
   keepers_[id] = &e;
+  try {
+    RunPolicy();
+  } catch (...) {
+    RemoveKeeper(id);  // the caller never learns the id: the keeper must not outlive the call
+    throw;
+  }
   ++stats_.num_keepers;
-  RunPolicy();
   return id;
 }
 
@@ -159,10 +164,15 @@ std::shared_ptr<Storage> OffloadEngine::StorageOf(KeeperId id) const {
 void OffloadEngine::WaitResident(KeeperId id) {
   EngineLock lock(mutex_);
   Entry& e = EntryOf(id);
-  if (e.state == Residency::kReloading) {
-    backend_.synchronize_event(e.device, e.copy_done);
-    Refresh(e);
-  }
+  // Through Refresh: a failed copy found by this wait (this entry's or another's) must mark the
+  // entries it may belong to failed, not escape with the entry left to pass for resident.
+  Refresh(e, /*wait=*/true);
+  if (e.state == Residency::kFailed) ThrowLost(e);
+}
+
+void OffloadEngine::ThrowLost(const Entry& e) {
+  throw Error(absl::StrFormat("the saved storage of %s could not be brought back: %s",
+                              FormatBytes(e.nbytes), e.failure));
 }
 
 void OffloadEngine::RemoveKeeper(KeeperId id) {
@@ -176,6 +186,7 @@ void OffloadEngine::RemoveKeeper(KeeperId id) {
 void OffloadEngine::Drop(Entry& e) {
   DiscardCopies(e);
   if (e.copy_done != nullptr) Device(e.device).spare.push_back(e.copy_done);
+  if (e.spill_done != nullptr) Device(e.device).spare.push_back(e.spill_done);
   by_seq_.erase(e.seq);
   spill_candidates_.erase(e.seq);
   WindowRemove(e);
@@ -205,9 +216,10 @@ void OffloadEngine::DiscardCopies(Entry& e) {
   // A copy may still be reading or writing the host buffer: the pool reuses it only after the
   // stream that ran the copy has passed it.
   const DeviceContext& dc = Device(e.device);
+  const Residency copying = e.state == Residency::kFailed ? e.failed_while : e.state;
   std::optional<StreamRef> last_use;
-  if (e.state == Residency::kSpilling) last_use = dc.d2h;
-  if (e.state == Residency::kReloading) {
+  if (copying == Residency::kSpilling) last_use = dc.d2h;
+  if (copying == Residency::kReloading) {
     last_use = dc.h2d;
     // The copy may still be writing the device block, and no stream need have waited for it (a
     // prefetch nobody acquired). Once freed, the block is reused in the order of the stream it
@@ -251,6 +263,17 @@ void OffloadEngine::MarkFailed(Entry& e, const std::string& why) {
     stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
     Note(OffloadEvent::Kind::kFailed, e);
   }
+  // No longer a prefetch: its bytes must not hold back further prefetches, nor its entry pass
+  // for one (it is never acquired, so Acquire would not clear it).
+  if (e.prefetched) {
+    prefetched_bytes_ -= e.nbytes;
+    e.prefetched = false;
+  }
+  if (e.spill_done != nullptr) {
+    Device(e.device).spare.push_back(e.spill_done);  // nothing waits on it any more
+    e.spill_done = nullptr;
+  }
+  e.failed_while = e.state;
   e.state = Residency::kFailed;
   e.failure = why;
 }
@@ -260,7 +283,12 @@ void OffloadEngine::FailInFlight(int device, Residency in_flight, const std::str
   // the copy that failed. Any copy in flight in that direction may be the one: none of their
   // bytes can be trusted, and an error at use beats silently wrong data.
   for (auto& [seq, entry] : by_seq_) {
-    if (entry->device == device && entry->state == in_flight) MarkFailed(*entry, why);
+    if (entry->device != device) continue;
+    // A reload issued while its spill was still copying reads what that spill wrote.
+    const bool reads_a_spill = in_flight == Residency::kSpilling &&
+                               entry->state == Residency::kReloading &&
+                               entry->spill_done != nullptr;
+    if (entry->state == in_flight || reads_a_spill) MarkFailed(*entry, why);
   }
 }
 
@@ -273,21 +301,27 @@ void OffloadEngine::OnStreamError(const StreamError& error) {
   if (error.stream == dc->h2d.id) FailInFlight(error.device, Residency::kReloading, error.message);
 }
 
+bool OffloadEngine::CopyDone(Entry& e, EventHandle copy, Residency direction, bool wait) {
+  try {
+    if (!wait) return backend_.query_event(e.device, copy);
+    backend_.synchronize_event(e.device, copy);
+    return true;
+  } catch (const BackendError& error) {
+    FailInFlight(e.device, direction, error.what());
+    return false;
+  }
+}
+
 void OffloadEngine::Refresh(Entry& e, bool wait) {
   if (e.state != Residency::kSpilling && e.state != Residency::kReloading) return;
-  bool done = false;
-  try {
-    if (wait) {
-      backend_.synchronize_event(e.device, e.copy_done);
-      done = true;
-    } else {
-      done = backend_.query_event(e.device, e.copy_done);
-    }
-  } catch (const BackendError& error) {
-    FailInFlight(e.device, e.state, error.what());
-    return;
+  // The spill a reload reads from first: the copy stream reports its failure once, to whoever
+  // asks first, and the reload's own event lives on the other stream.
+  if (e.spill_done != nullptr) {
+    if (!CopyDone(e, e.spill_done, Residency::kSpilling, wait)) return;
+    Device(e.device).spare.push_back(e.spill_done);
+    e.spill_done = nullptr;
   }
-  if (!done) return;
+  if (!CopyDone(e, e.copy_done, e.state, wait)) return;
   if (e.state == Residency::kSpilling) {
     e.state = Residency::kSpilled;
     return;
@@ -310,6 +344,41 @@ bool OffloadEngine::Eligible(const Entry& e) const {
 bool OffloadEngine::PolicyMaySpill(const Entry& e) {
   return e.state == Residency::kResident && !e.policy_refused && !e.acquired && !e.prefetched &&
          !e.saved_under_off;
+}
+
+template <typename Copy, typename Record>
+void OffloadEngine::IssueCopy(int device, Residency direction, Copy copy, Record record) {
+  // A copy that failed earlier on the stream is reported (once) to whichever call comes next,
+  // and that call has no effect. The failure belongs to the copies in flight there (which one is
+  // not known): they fail, and what did not take effect is issued again. Reported to the record,
+  // it may be this very copy's: the copy is issued again too (its source is still intact).
+  const auto stale_copy_failed = [&](const BackendError& error) {
+    if (error.operation() != "memcpy_async") return false;
+    FailInFlight(device, direction, error.what());
+    return true;
+  };
+  try {
+    copy();
+  } catch (const BackendError& error) {
+    if (!stale_copy_failed(error)) throw;
+    copy();
+  }
+  try {
+    record();
+  } catch (const BackendError& error) {
+    if (!stale_copy_failed(error)) throw;
+    copy();
+    record();
+  }
+}
+
+void OffloadEngine::RecordOnProgramStream(int device, EventHandle event, StreamRef stream) {
+  try {
+    backend_.record_event(device, event, stream.handle);
+  } catch (const BackendError& error) {
+    if (error.operation() == "memcpy_async") throw ProgramStreamError(error);
+    throw;
+  }
 }
 
 bool OffloadEngine::Spill(Entry& e) {
@@ -337,18 +406,22 @@ bool OffloadEngine::Spill(Entry& e) {
     // out of the pool, one more event per failure.
     EventHandle produced = TakeEvent(dc);
     dc.spare.push_back(produced);
-    backend_.record_event(e.device, produced, e.producer.handle);
+    RecordOnProgramStream(e.device, produced, e.producer);
     backend_.stream_wait_event(e.device, dc.d2h.handle, produced);
-    backend_.memcpy_async(e.device, *host, device_ptr, e.nbytes, CopyKind::kDeviceToHost,
-                          dc.d2h.handle);
     if (e.copy_done == nullptr) e.copy_done = TakeEvent(dc);
-    backend_.record_event(e.device, e.copy_done, dc.d2h.handle);
-  } catch (const BackendError& error) {
-    // Nothing of this spill ran (a failing call has no effect); an earlier copy's failure may
-    // have surfaced here.
-    if (error.operation() == "memcpy_async") {
-      FailInFlight(e.device, Residency::kSpilling, error.what());
-    }
+    IssueCopy(
+        e.device, Residency::kSpilling,
+        [&] {
+          backend_.memcpy_async(e.device, *host, device_ptr, e.nbytes, CopyKind::kDeviceToHost,
+                                dc.d2h.handle);
+        },
+        [&] { backend_.record_event(e.device, e.copy_done, dc.d2h.handle); });
+  } catch (const ProgramStreamError&) {
+    FreeHostBuffer(e.device, *host, dc.d2h);
+    throw;
+  } catch (const BackendError&) {
+    // Nothing of this spill ran (a failing call has no effect), or only its copy, into a buffer
+    // the pool reuses after the copy stream has passed it.
     FreeHostBuffer(e.device, *host, dc.d2h);
     CountSkip(kSkipCopyError);
     return false;
@@ -382,25 +455,47 @@ void OffloadEngine::Reload(Entry& e, StreamRef consumer) {
                                            FormatBytes(e.nbytes), oom.what()),
                            oom.requested_bytes(), oom.device());
   }
+  // The allocation may have run the out-of-memory rescue, whose waits can find this entry's own
+  // spill failed: there is nothing to reload then.
+  if (e.state == Residency::kFailed) {
+    e.storage->drop_device_memory();
+    ThrowLost(e);
+  }
+  // Reload requested while still spilling: the copy reads the host buffer only after the D2H
+  // filled it, and the entry keeps that D2H's event to learn whether it did (spill_done).
+  const bool after_spill = e.state == Residency::kSpilling;
+  EventHandle reload_done = e.copy_done;
+  bool took_reload_done = false;
   try {
     // The block may have been used by earlier work on the consumer stream: the H2D copy must
     // not write into it before that work is done (DeepSpeed #8186).
     EventHandle allocated = TakeEvent(dc);
     dc.spare.push_back(allocated);  // as in Spill: spare again whatever happens next
-    backend_.record_event(e.device, allocated, consumer.handle);
+    RecordOnProgramStream(e.device, allocated, consumer);
     backend_.stream_wait_event(e.device, dc.h2d.handle, allocated);
-    // Reload requested while still spilling: read the host buffer only after the D2H filled it.
-    if (e.state == Residency::kSpilling) {
+    if (after_spill) {
       backend_.stream_wait_event(e.device, dc.h2d.handle, e.copy_done);
+      reload_done = TakeEvent(dc);
+      took_reload_done = true;
     }
-    backend_.memcpy_async(e.device, ptr, e.host, e.nbytes, CopyKind::kHostToDevice, dc.h2d.handle);
-    backend_.record_event(e.device, e.copy_done, dc.h2d.handle);
+    IssueCopy(
+        e.device, Residency::kReloading,
+        [&] {
+          backend_.memcpy_async(e.device, ptr, e.host, e.nbytes, CopyKind::kHostToDevice,
+                                dc.h2d.handle);
+        },
+        [&] { backend_.record_event(e.device, reload_done, dc.h2d.handle); });
   } catch (const BackendError&) {
+    if (took_reload_done) dc.spare.push_back(reload_done);
     // The copy may already be enqueued (only the copy-done record failed): the block goes back
     // with its reuse deferred until the copy stream has passed it.
     allocator_.RecordStream(ptr, dc.h2d);
     e.storage->drop_device_memory();
     throw;
+  }
+  if (after_spill) {
+    e.spill_done = e.copy_done;
+    e.copy_done = reload_done;
   }
   if (e.state == Residency::kSpilling || e.state == Residency::kSpilled) {
     stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
@@ -420,8 +515,7 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
   Refresh(e);
   switch (e.state) {
     case Residency::kFailed:
-      throw Error(absl::StrFormat("the saved storage of %s could not be brought back: %s",
-                                  FormatBytes(e.nbytes), e.failure));
+      ThrowLost(e);
     case Residency::kSpilling:
     case Residency::kSpilled:
       Reload(e, consumer);
@@ -454,7 +548,7 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
   }
   e.acquiring = true;
   try {
-    Prefetch(e.seq, consumer);
+    Prefetch(e.device, e.seq, consumer);
   } catch (...) {
     e.acquiring = false;
     throw;

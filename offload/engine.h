@@ -40,11 +40,20 @@
 #include "allocator/backend.h"
 #include "allocator/caching_allocator.h"
 #include "allocator/config.h"
+#include "allocator/errors.h"
 #include "offload/offload_stats.h"
 #include "offload/pinned_pool.h"
 #include "offload/storage.h"
 
 namespace spillway {
+
+// A copy the program enqueued on one of its own streams failed, and a call the engine made on
+// that stream was the first to find it (backends report a failed copy once): the program's
+// error, passed on to the engine's caller rather than blamed on the engine's copies or swallowed.
+class ProgramStreamError : public BackendError {
+ public:
+  explicit ProgramStreamError(const BackendError& error) : BackendError(error) {}
+};
 
 enum class Residency { kResident, kSpilling, kSpilled, kReloading, kFailed };
 std::string_view ResidencyName(Residency residency);
@@ -96,14 +105,16 @@ class OffloadEngine {
   // (the caller's storage object); it stays unique while the entry lives because the entry keeps
   // the storage alive. `make_storage` is called only when the storage has no entry yet, so one
   // binding serves every view. Returns nullopt, counting the reason, for a storage the engine
-  // will not manage (zero bytes, not allocated by Spillway). Runs the policy afterwards.
+  // will not manage (zero bytes, not allocated by Spillway). Runs the policy afterwards; should
+  // that throw (a ProgramStreamError), the keeper is not registered.
   using StorageFactory = std::function<std::shared_ptr<Storage>()>;
   std::optional<KeeperId> AddKeeper(const void* key, const StorageFactory& make_storage,
                                     ViewInfo view, StreamRef producer);
   // The storage a keeper keeps (to rebuild its view), or null for an unknown keeper.
   std::shared_ptr<Storage> StorageOf(KeeperId id) const;
   // Blocks the host until the keeper's storage is resident: for consumers that are host code
-  // (the simulated device's CPU kernels), which no stream wait can order.
+  // (the simulated device's CPU kernels), which no stream wait can order. Throws spillway::Error,
+  // as Acquire does, when the copy failed.
   void WaitResident(KeeperId id);
   // The saved view is gone. The last keeper drops the entry and any host copy.
   void RemoveKeeper(KeeperId id);
@@ -171,6 +182,11 @@ class OffloadEngine {
   // Settles a spilling or reloading entry whose copy has completed; with `wait`, blocks the host
   // until it has. A failed copy makes the entry kFailed.
   void Refresh(Entry& e, bool wait = false);
+  // Whether `copy` (of `e`, in `direction`) has completed; a failure it reports fails the entries
+  // in flight in that direction (FailInFlight) and counts as not done.
+  bool CopyDone(Entry& e, EventHandle copy, Residency direction, bool wait);
+  // Throws the error of an entry whose bytes are lost (kFailed).
+  [[noreturn]] static void ThrowLost(const Entry& e);
   bool Eligible(const Entry& e) const;
   // Whether a policy may still spill `e` some day (it may be held by the program now). A spill
   // makes it false, and a storage that came back is marked acquired or prefetched, so it stays
@@ -186,8 +202,16 @@ class OffloadEngine {
   void OnStreamError(const StreamError& error);
   void FreeHostBuffer(int device, void* host, std::optional<StreamRef> last_use);
   bool Spill(Entry& e);
+  // Enqueues `copy` and then `record` (its done event) on the engine's copy stream for
+  // `direction` (kSpilling: device to host), sorting out failures of earlier copies found there.
+  template <typename Copy, typename Record>
+  void IssueCopy(int device, Residency direction, Copy copy, Record record);
+  // Records `event` on a stream of the program's. A copy the program enqueued there that failed
+  // is the program's error: thrown as ProgramStreamError, never blamed on the engine's copies.
+  void RecordOnProgramStream(int device, EventHandle event, StreamRef stream);
   void Reload(Entry& e, StreamRef consumer);
-  void Prefetch(uint64_t before_seq, StreamRef consumer);
+  // Reloads spilled saves of `device` older than `before_seq`, newest first, on `consumer`.
+  void Prefetch(int device, uint64_t before_seq, StreamRef consumer);
   void Drop(Entry& e);
   // Gives up the entry's host copy and any copy in flight (the storage keeps its device memory).
   void DiscardCopies(Entry& e);

@@ -62,6 +62,13 @@ struct OffloadEngine::Entry {
   // policy_refused covers saves below the min_bytes in force when they were saved, too.
   int64_t stall_since_us = 0;  // consumer is waiting since then (0 = nobody waits)
   std::string failure;         // why the bytes are lost (state kFailed)
+  // Reloaded while still spilling: the D2H copy the reload reads from, until seen complete. Its
+  // failure fails the entry although it is reloading by then (FailInFlight).
+  EventHandle spill_done = nullptr;
+  // kFailed: the state the failure interrupted, so that dropping the entry still orders reuse of
+  // its block and host buffer after a copy that may be running (FailInFlight fails every copy in
+  // flight in one direction, the healthy ones too).
+  Residency failed_while = Residency::kResident;
   int64_t spill_count = 0;
   int64_t reload_count = 0;
   int64_t last_spill_us = 0;

@@ -11,7 +11,7 @@
 
 namespace spillway {
 
-void OffloadEngine::Prefetch(uint64_t before_seq, StreamRef consumer) {
+void OffloadEngine::Prefetch(int device, uint64_t before_seq, StreamRef consumer) {
   // Under "off" too: saves spilled by an inner block come back ahead of use all the same.
   if (config_.prefetch_bytes == 0) return;
   uint64_t cursor = before_seq;  // newest first, from just below `before_seq`
@@ -21,6 +21,8 @@ void OffloadEngine::Prefetch(uint64_t before_seq, StreamRef consumer) {
     --it;
     cursor = it->first;
     Entry& e = *it->second;
+    // Saves on other devices (a process driving several GPUs): `consumer` is no stream of theirs.
+    if (e.device != device) continue;
     Refresh(e);
     if (e.state != Residency::kSpilled && e.state != Residency::kSpilling) {
       offloaded_.erase(cursor);  // reloaded on demand, or failed
@@ -33,6 +35,8 @@ void OffloadEngine::Prefetch(uint64_t before_seq, StreamRef consumer) {
     try {
       PolicyScope scope(in_policy_);
       Reload(e, consumer);
+    } catch (const ProgramStreamError&) {
+      throw;  // the program's own failed copy, not the prefetch's: never swallowed
     } catch (const std::exception&) {
       break;  // prefetch is best effort; Acquire will retry and report
     }
@@ -168,16 +172,10 @@ size_t OffloadEngine::GiveBackPrefetches(int device, size_t target_allocated) {
         e.storage->external_holders() != 0) {
       continue;
     }
-    if (e.state == Residency::kReloading) {
-      try {
-        backend_.synchronize_event(e.device, e.copy_done);
-      } catch (const BackendError& error) {
-        FailInFlight(e.device, Residency::kReloading, error.what());
-        continue;
-      }
-    } else if (e.state != Residency::kResident) {
-      continue;
-    }
+    // Waits for the copy (and the spill it read from, if it was still copying): a failure
+    // found there fails the entry, which then is no prefetch any more.
+    Refresh(e, /*wait=*/true);
+    if (e.state != Residency::kResident || !e.prefetched) continue;
     const auto info = allocator_.Lookup(e.storage->data());
     // The copy is done and nothing else used the block: it may be reused at once.
     e.storage->drop_device_memory();

@@ -114,19 +114,42 @@ def _require_installed(what):
         raise RuntimeError(f"spillway.{what}: call spillway.install() first")
 
 
+class _Kept:
+    """A saved tensor Spillway keeps as it is (a subclass), as the C++ handle keeps the others:
+    detached, since a saved output holds its grad_fn, which holds what pack returned, a loop
+    through autograd's C++ nodes that Python's collector cannot break; and with its version,
+    since autograd leaves that check to the hooks."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor):
+        self.tensor = tensor.detach()
+        self.version = tensor._version
+
+    def unpack(self):
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{self.tensor.dtype}{list(self.tensor.shape)}] is at version "
+                f"{self.tensor._version}; expected version {self.version} instead. Hint: the "
+                "tensor was saved for backward (kept as it is by Spillway) and changed in place "
+                "afterwards.")
+        return self.tensor
+
+
 def _pack(tensor):
     # Tensor subclasses (wrappers such as DTensor, float8 or NF4 tensors) keep their Python
     # type only if kept as they are.
     if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
         _C.count_skip("subclass")
-        return tensor
+        return _Kept(tensor)
     return _C.pack(tensor)
 
 
 def _unpack(packed):
     if isinstance(packed, _C.SavedHandle):
         return _C.unpack(packed)
-    return packed
+    return packed.unpack()
 
 
 # How many offload blocks are open, and whether saves outside them are offloaded too (the

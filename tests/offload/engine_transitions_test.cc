@@ -223,5 +223,47 @@ TEST_F(OffloadTransitions, UnknownKeeperIsAClearError) {
   EXPECT_THROW(engine_->RemoveKeeper(12345), InvalidArgumentError);
 }
 
+// A process driving two devices: backward on device 1 prefetches device 1's older saves and
+// passes over device 0's (device 1's stream is none of theirs: trying it stopped the prefetch).
+TEST(OffloadTwoDevices, PrefetchStaysOnTheConsumersDevice) {
+  SimBackend::Options options;
+  options.devices = 2;
+  options.capacity_bytes = size_t{64} << 20;
+  auto backend = std::make_shared<SimBackend>(options);
+  CachingAllocator allocator(backend, AllocatorConfig{});
+  OffloadEngine engine(allocator, Policy(OffloadPolicy::kEager));
+  const StreamRef on0 = backend->default_stream(0);
+  const StreamRef on1 = backend->default_stream(1);
+  const auto make = [&](int device, StreamRef stream) {
+    return std::make_shared<AllocatorStorage>(allocator, 2 * kMiB, stream, 0, device);
+  };
+  const auto save = [&](const std::shared_ptr<AllocatorStorage>& s, StreamRef stream) {
+    ViewInfo view;
+    view.sizes = {static_cast<int64_t>(s->nbytes() / 4)};
+    view.strides = {1};
+    view.element_size = 4;
+    return engine
+        .AddKeeper(
+            s.get(), [&] { return s; }, view, stream)
+        .value();
+  };
+  auto older1 = make(1, on1);
+  auto newer0 = make(0, on0);
+  auto newest1 = make(1, on1);
+  const KeeperId id_older1 = save(older1, on1);
+  const KeeperId id_newer0 = save(newer0, on0);
+  const KeeperId id_newest1 = save(newest1, on1);
+  engine.ForwardEnd();
+  engine.Synchronize();
+  ASSERT_EQ(engine.Describe(newer0.get())->residency, Residency::kSpilled);
+
+  engine.Acquire(id_newest1, on1);
+  EXPECT_TRUE(engine.Describe(older1.get())->prefetched);
+  EXPECT_EQ(engine.Describe(newer0.get())->residency, Residency::kSpilled);
+  engine.Synchronize();
+  EXPECT_EQ(engine.Describe(older1.get())->residency, Residency::kResident);
+  for (const KeeperId id : {id_older1, id_newer0, id_newest1}) engine.RemoveKeeper(id);
+}
+
 }  // namespace
 }  // namespace spillway::testing

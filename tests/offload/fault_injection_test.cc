@@ -2,93 +2,15 @@
 // at the call it belongs to, corrupt nothing, leak nothing, and leave the engine serving every
 // other entry. Streams are held with gates where the order of a copy and a check would otherwise
 // be a race, so every outcome here is deterministic.
-#include <algorithm>
-#include <cstring>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "allocator/errors.h"
 #include "allocator/format.h"
-#include "tests/offload/engine_fixture.h"
+#include "tests/offload/fault_fixture.h"
 
 namespace spillway::testing {
 namespace {
-
-::testing::AssertionResult Contains(const std::string& text, const std::string& part) {
-  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "\"" << text << "\" does not contain \"" << part << "\"";
-}
-
-class OffloadFaultInjection : public OffloadEngineTest {
- protected:
-  std::vector<uint8_t> Read(const std::shared_ptr<TestStorage>& s) {
-    return ReadOn(compute_, s->data(), s->nbytes());
-  }
-
-  // Acquires on the compute stream and reads the bytes back there, as a kernel would.
-  std::vector<uint8_t> AcquireAndRead(KeeperId id, size_t nbytes) {
-    void* ptr = engine_->Acquire(id, compute_);
-    return ReadOn(compute_, ptr, nbytes);
-  }
-
-  // The program's next allocation of `nbytes` on the compute stream, written there by a kernel
-  // while the engine's host-to-device stream is held by `hold`; returns what the block holds
-  // once every copy has run. Anything but the kernel's bytes means an engine copy landed in a
-  // block handed out again without anything ordering the two.
-  std::vector<uint8_t> KernelWriteIntoNextBlock(SimBackend::StreamHold& hold, size_t nbytes) {
-    void* next = allocator_->Malloc(nbytes, 0, compute_);
-    const std::vector<uint8_t> fill(nbytes, kFill);
-    backend_->memcpy_async(0, next, fill.data(), nbytes, CopyKind::kHostToDevice, compute_.handle);
-    // Unordered, the kernel runs within microseconds, before the held copy: give it that chance.
-    // Correctly ordered after the copy it cannot run yet, and the wait just runs out.
-    EventHandle written = backend_->create_event(0);
-    backend_->record_event(0, written, compute_.handle);
-    for (int i = 0; i < 100 && !backend_->query_event(0, written); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    hold.Open();
-    engine_->Synchronize();
-    std::vector<uint8_t> out = ReadOn(compute_, next, nbytes);
-    backend_->destroy_event(0, written);
-    allocator_->Free(next);
-    return out;
-  }
-
-  static constexpr uint8_t kFill = 0x5A;
-
-  // Where the reload tests start: on a 64 MiB device, `a` (12 MiB, its own segment) is spilled
-  // and `b` (16 MiB) stays resident, held by the program throughout.
-  struct SpilledAndHeld {
-    std::shared_ptr<TestStorage> a, b;
-    KeeperId ida = 0, idb = 0;
-  };
-  SpilledAndHeld SpillOneHoldOne() {
-    Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
-    SpilledAndHeld out{NewStorage(12 * kMiB, 1), NewStorage(16 * kMiB, 2)};
-    out.ida = Save(out.a);
-    out.idb = Save(out.b);
-    out.a->holders = 0;
-    engine_->ForwardEnd();
-    engine_->Synchronize();
-    EXPECT_EQ(StateOf(out.a), Residency::kSpilled);
-    EXPECT_EQ(StateOf(out.b), Residency::kResident);
-    return out;
-  }
-
-  // Drops every keeper and storage, then checks that neither device nor pinned memory is left.
-  void DropAllAndExpectNoLeaks(const std::vector<KeeperId>& ids) {
-    for (const KeeperId id : ids) engine_->RemoveKeeper(id);
-    storages_.clear();
-    engine_->Synchronize();
-    backend_->synchronize_stream(0, compute_.handle);
-    allocator_->ProcessEvents(0);
-    EXPECT_EQ(EngineStat("num_entries"), 0);
-    EXPECT_EQ(AllocStat("allocated_bytes.all.current"), 0);
-    EXPECT_EQ(EngineStat("host_bytes.current"), 0);
-    EXPECT_EQ(EngineStat("spilled_bytes.current"), 0);
-  }
-};
 
 // The device refuses memory for a reload: it is full, and no step of the allocator's
 // out-of-memory ladder, nor the engine's rescue, can make room. Acquire must report an

@@ -44,16 +44,15 @@ def run(body):
 
 def test_failed_copy_is_never_silent_and_the_next_step_works():
     """A device-to-host copy fails. Either the spill finds out while enqueueing (the copy ran at
-    once): the data stays on the device, the refusal is counted, gradients are right; or it is
-    found later: backward raises at unpack, naming the tensor's shape and dtype. Never wrong
-    gradients."""
+    once, and the spill's next call on the copy stream hears of it): the copy is made again and
+    gradients are right; or it is found later: backward raises at unpack, naming the tensor's
+    shape and dtype. Never wrong gradients."""
     out = run("""
         ref = reference()
         torch.manual_seed(1)
         try:
             grad = step(("copy", 1))
             print("no error; equal:", torch.equal(grad, ref))
-            print("copy_error:", spillway.memory_stats()["spillway.skipped.copy_error"])
         except RuntimeError as error:
             print("error:", str(error).replace("\\n", " "))
         torch.manual_seed(1)
@@ -61,7 +60,7 @@ def test_failed_copy_is_never_silent_and_the_next_step_works():
         print("host bytes:", spillway.memory_stats()["spillway.host_bytes.current"])
     """)
     if "no error" in out:
-        assert "no error; equal: True" in out and "copy_error: 1" in out, out
+        assert "no error; equal: True" in out, out
     else:
         # Every copy in flight when the failure surfaced is failed (it cannot be told which one
         # it was): the error may name the 256x256 activation or another saved tensor.

@@ -62,6 +62,18 @@ def test_release_refuses_memory_that_is_not_spillways():
     assert torch.equal(t, torch.arange(1000, dtype=torch.float32))  # untouched
 
 
+def test_release_refuses_a_second_storage_over_spillways_memory():
+    """Review: release(torch.from_numpy(t.numpy())) reported t's bytes freed, though t still
+    holds them."""
+    t = torch.arange(1000, dtype=torch.float32)
+    alias = torch.from_numpy(t.numpy())
+    with pytest.raises(ValueError, match="a second storage over Spillway's memory"):
+        spillway.release(alias)
+    assert torch.equal(alias, torch.arange(1000, dtype=torch.float32))
+    del alias
+    assert spillway.release(t)["freed_bytes"] == 4000  # through its own storage, it does
+
+
 def test_release_refuses_a_storage_saved_for_backward():
     x = torch.randn(64, 64, requires_grad=True)
     with spillway.offload("off", min_bytes=0):

@@ -1,0 +1,279 @@
+// A failed copy belongs to the entries whose bytes passed through it, whoever finds it: the copy
+// streams report a failure once, to the first call that looks, which may be a call made for
+// another entry, for the allocator, or on another stream altogether. Each test arranges one such
+// path with held streams and checks that the right entries fail (their Acquire says so rather
+// than return bytes that never arrived) and no other entry does.
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "allocator/errors.h"
+#include "tests/offload/fault_fixture.h"
+
+namespace spillway::testing {
+namespace {
+
+class OffloadCopyFailure : public OffloadFaultInjection {
+ protected:
+  // Acquire must throw the entry's loss, every time it is asked.
+  void ExpectLost(KeeperId id) {
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      try {
+        engine_->Acquire(id, compute_);
+        ADD_FAILURE() << "Acquire of an entry whose bytes never arrived returned a pointer";
+      } catch (const Error& e) {
+        EXPECT_TRUE(Contains(e.what(), "could not be brought back"));
+        EXPECT_TRUE(Contains(e.what(), "injected copy failure"));
+      }
+    }
+  }
+
+  // Runs every op already enqueued on the device's streams, without asking any of them for an
+  // error (the simulated device drains on a raw free and reports nothing).
+  void DrainWithoutLooking() {
+    void* raw = backend_->device_malloc(0, kMiB).value();
+    backend_->device_free(0, raw);
+  }
+};
+
+// The reload of an entry whose copy to the host has not run yet reads the host buffer after that
+// copy. Here that copy fails: the reload's own copy succeeds (it moves whatever the buffer held),
+// and the failure is found on the other stream, by the engine's stream-wide wait. The entry must
+// fail, not pass for resident.
+TEST_F(OffloadCopyFailure, OffloadAReloadFailsWhenTheSpillItReadsFromDid) {
+  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 71);
+  std::shared_ptr<TestStorage> b = NewStorage(2 * kMiB, 72);
+  const KeeperId ida = Save(a);
+  const KeeperId idb = Save(b);
+  a->holders = 0;
+  {
+    auto hold = backend_->hold_stream(0, compute_.handle);
+    backend_->fail_copy_after(1);  // a's copy to the host
+    engine_->ForwardEnd();
+    backend_->fail_copy_after(-1);
+    ASSERT_EQ(StateOf(a), Residency::kSpilling);
+    engine_->Acquire(ida, compute_);  // backward wants it back before it ever left
+    ASSERT_EQ(StateOf(a), Residency::kReloading);
+  }
+  EXPECT_NO_THROW(engine_->Synchronize()) << "the failure belongs to a's entry, not to the caller";
+  EXPECT_EQ(StateOf(a), Residency::kFailed)
+      << "a reload of bytes that never reached the host passed for resident";
+  ExpectLost(ida);
+  EXPECT_EQ(Read(b), Pattern(2 * kMiB, 72));
+  a.reset();
+  b.reset();
+  DropAllAndExpectNoLeaks({ida, idb});
+}
+
+// The same, found by the reload's own allocation: the device is full but for the block the spill
+// gave back, whose reuse waits for the copy to the host; the allocator's wait finds that copy
+// failed. The reload must stop there instead of copying the empty host buffer.
+TEST_F(OffloadCopyFailure, OffloadAReloadStopsWhenItsAllocationFindsItsSpillFailed) {
+  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 73);
+  const KeeperId ida = Save(a);
+  void* filler = allocator_->Malloc(52 * kMiB, 0, compute_);
+  ASSERT_EQ(backend_->bytes_in_use(0), 64 * kMiB);
+  a->holders = 0;
+  auto hold = backend_->hold_stream(0, compute_.handle);
+  backend_->fail_copy_after(1);  // a's copy to the host
+  engine_->ForwardEnd();
+  backend_->fail_copy_after(-1);
+  ASSERT_EQ(StateOf(a), Residency::kSpilling);
+  // Acquire's own look at the copy comes first and finds it not run; the allocator's wait for the
+  // block comes next and finds the failure once the hold opens. (Should the hold open before that
+  // first look, Acquire finds the failure there: the outcome is the same.)
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    hold->Open();
+  });
+  try {
+    engine_->Acquire(ida, compute_);
+    ADD_FAILURE() << "Acquire reloaded bytes that never reached the host";
+  } catch (const OutOfMemoryError& e) {
+    ADD_FAILURE() << "a failed copy reported as out of memory: " << e.what();
+  } catch (const Error& e) {
+    EXPECT_TRUE(Contains(e.what(), "could not be brought back"));
+    EXPECT_TRUE(Contains(e.what(), "injected copy failure"));
+  }
+  opener.join();
+  EXPECT_EQ(StateOf(a), Residency::kFailed);
+  EXPECT_EQ(a->data(), nullptr) << "the block taken for the reload was kept";
+  ExpectLost(ida);
+  allocator_->Free(filler);
+  a.reset();
+  DropAllAndExpectNoLeaks({ida});
+}
+
+// A prefetch's copy fails; the next reload's copy call on the same stream is the first to find
+// it. That failure is the prefetch's: the prefetched entry fails (and stops counting as a
+// prefetch), and the reload that found it goes ahead and brings its own bytes back.
+TEST_F(OffloadCopyFailure, OffloadAReloadThatFindsAPrefetchsFailureFailsThePrefetch) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 2 * kMiB;  // one entry ahead
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 74);
+  std::shared_ptr<TestStorage> b = NewStorage(2 * kMiB, 75);
+  std::shared_ptr<TestStorage> c = NewStorage(2 * kMiB, 76);
+  const KeeperId ida = Save(a);
+  const KeeperId idb = Save(b);
+  const KeeperId idc = Save(c);
+  a->holders = b->holders = 0;  // c stays on the device
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(a), Residency::kSpilled);
+  ASSERT_EQ(StateOf(b), Residency::kSpilled);
+
+  {
+    // Held, so that the prefetch's copy fails only after the prefetch was issued completely.
+    auto hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+    backend_->fail_copy_after(1);     // b's copy back
+    engine_->Acquire(idc, compute_);  // prefetches b
+    backend_->fail_copy_after(-1);
+  }
+  ASSERT_TRUE(engine_->Describe(b.get())->prefetched);
+  DrainWithoutLooking();  // b's copy has failed; nobody has looked
+  ASSERT_EQ(StateOf(b), Residency::kReloading);
+
+  EXPECT_EQ(AcquireAndRead(ida, 2 * kMiB), Pattern(2 * kMiB, 74));
+  EXPECT_EQ(StateOf(b), Residency::kFailed);
+  EXPECT_FALSE(engine_->Describe(b.get())->prefetched);
+  ExpectLost(idb);
+  EXPECT_EQ(Read(c), Pattern(2 * kMiB, 76));
+  a.reset();
+  b.reset();
+  c.reset();
+  DropAllAndExpectNoLeaks({ida, idb, idc});
+}
+
+// A host consumer waits for a reload whose copy fails: WaitResident reports the loss, every time,
+// as Acquire does, and the entry fails rather than pass for resident on the next call.
+TEST_F(OffloadCopyFailure, OffloadWaitResidentReportsAFailedReload) {
+  auto [a, b, ida, idb] = SpillOneHoldOne();
+  ASSERT_FALSE(HasFailure());
+  {
+    auto hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+    backend_->fail_copy_after(1);  // a's copy back
+    engine_->Acquire(ida, compute_);
+    backend_->fail_copy_after(-1);
+  }
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    try {
+      engine_->WaitResident(ida);
+      ADD_FAILURE() << "WaitResident returned for an entry whose copy failed";
+    } catch (const Error& e) {
+      EXPECT_TRUE(Contains(e.what(), "could not be brought back"));
+      EXPECT_TRUE(Contains(e.what(), "injected copy failure"));
+    }
+  }
+  EXPECT_EQ(StateOf(a), Residency::kFailed);
+  ExpectLost(ida);
+  EXPECT_EQ(AcquireAndRead(idb, 16 * kMiB), Pattern(16 * kMiB, 2));
+  a.reset();
+  b.reset();
+  DropAllAndExpectNoLeaks({ida, idb});
+}
+
+// One reload's failure fails every reload in flight, healthy ones included (which one failed is
+// not known). A healthy one still queued must keep its block until its copy has run: dropped
+// now, its block is handed out again, and the copy must not land on the next owner's bytes.
+TEST_F(OffloadCopyFailure, OffloadAReloadFailedWithAnotherKeepsItsCopyOrdered) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 0;  // each reload asked for by its own Acquire
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 77);
+  std::shared_ptr<TestStorage> b = NewStorage(2 * kMiB, 78);
+  const KeeperId ida = Save(a);
+  const KeeperId idb = Save(b);
+  a->holders = b->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(b), Residency::kSpilled);
+
+  const StreamRef side = backend_->create_stream(0);
+  auto hold = backend_->hold_stream(0, side.handle);
+  {
+    // Both reloads issued before b's copy fails (the copy stream is held until then).
+    auto copies_hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+    backend_->fail_copy_after(1);  // b's copy back
+    engine_->Acquire(idb, compute_);
+    backend_->fail_copy_after(-1);
+    engine_->Acquire(ida, side);  // queued behind b's, waiting for the held consumer
+  }
+  EXPECT_THROW(engine_->WaitResident(idb), Error);
+  ASSERT_EQ(StateOf(a), Residency::kFailed);
+
+  engine_->RemoveKeeper(ida);
+  storages_.erase(std::find(storages_.begin(), storages_.end(), a));
+  a.reset();
+  // The next owner of a's block, on the stream it was allocated on, writes there.
+  void* next = allocator_->Malloc(2 * kMiB, 0, side);
+  const std::vector<uint8_t> fill(2 * kMiB, kFill);
+  backend_->memcpy_async(0, next, fill.data(), fill.size(), CopyKind::kHostToDevice, side.handle);
+  hold->Open();
+  engine_->Synchronize();
+  EXPECT_EQ(ReadOn(side, next, 2 * kMiB), fill)
+      << "the failed reload's copy landed after the next owner of its block wrote there";
+  allocator_->Free(next);
+  b.reset();
+  DropAllAndExpectNoLeaks({idb});
+}
+
+// The program's own copy failed on its stream, and a spill's record there is the first call to
+// find it: the program's error. It reaches the caller (here the save, which then registers
+// nothing), and no spill in flight is blamed for it.
+TEST_F(OffloadCopyFailure, OffloadTheProgramsFailedCopyIsNotBlamedOnSpills) {
+  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  const StreamRef side = backend_->create_stream(0);
+  std::shared_ptr<TestStorage> x = NewStorage(2 * kMiB, 79);
+  std::shared_ptr<TestStorage> y = NewStorage(2 * kMiB, 80);
+  ViewInfo view;
+  view.sizes = {static_cast<int64_t>(x->nbytes() / 4)};
+  view.strides = {1};
+  view.element_size = 4;
+  auto hold = backend_->hold_stream(0, side.handle);
+  x->holders = 0;
+  const KeeperId idx = engine_
+                           ->AddKeeper(
+                               x.get(), [&] { return x; }, view, side)
+                           .value();            // spills at once
+  ASSERT_EQ(StateOf(x), Residency::kSpilling);  // its copy waits for the held producer
+
+  // The program's copy on the compute stream fails; make sure it ran, without looking (the
+  // compute stream is held until the event after the copy is recorded).
+  std::vector<uint8_t> scratch(kMiB);
+  void* block = allocator_->Malloc(kMiB, 0, compute_);
+  const StreamRef watcher = backend_->create_stream(0);
+  EventHandle copied = backend_->create_event(0);
+  {
+    auto compute_hold = backend_->hold_stream(0, compute_.handle);
+    backend_->fail_copy_after(1);
+    backend_->memcpy_async(0, scratch.data(), block, kMiB, CopyKind::kDeviceToHost,
+                           compute_.handle);
+    backend_->fail_copy_after(-1);
+    backend_->record_event(0, copied, compute_.handle);
+    backend_->stream_wait_event(0, watcher.handle, copied);
+  }
+  backend_->synchronize_stream(0, watcher.handle);
+
+  y->holders = 0;
+  EXPECT_THROW(Save(y), ProgramStreamError);
+  EXPECT_EQ(EngineStat("num_keepers"), 1) << "a failed save counted as registered";
+  EXPECT_EQ(EngineStat("num_entries"), 1) << "a failed save left its entry behind";
+  EXPECT_FALSE(engine_->Describe(y.get()).has_value());
+
+  hold->Open();
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(x), Residency::kSpilled) << "the program's error failed a spill in flight";
+  EXPECT_EQ(AcquireAndRead(idx, 2 * kMiB), Pattern(2 * kMiB, 79));
+  backend_->destroy_event(0, copied);
+  allocator_->Free(block);
+  x.reset();
+  y.reset();
+  DropAllAndExpectNoLeaks({idx});
+}
+
+}  // namespace
+}  // namespace spillway::testing
