@@ -362,7 +362,7 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
       if (event != nullptr) spare_events_.push_back(event);
       // The record may have failed because earlier work on that stream failed (a backend
       // reports that once, to whoever looks): the stream's owner must hear of it.
-      if (error.operation() == "memcpy_async") {
+      if (error.earlier_work()) {
         stream_errors_.push_back(StreamError{device_, use.id, error.what()});
         has_stream_errors_.store(true, std::memory_order_relaxed);
       }

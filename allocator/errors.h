@@ -42,16 +42,22 @@ class OutOfMemoryError : public Error {
 // fault in the simulated device).
 class BackendError : public Error {
  public:
-  BackendError(std::string_view operation, std::string_view detail)
+  // `earlier_work`: the failure is not the call's own but that of asynchronous work enqueued
+  // before it (an earlier copy on the stream), reported to this call, which had no effect. Only
+  // the simulated device reports those apart; CUDA's are sticky, so nothing after them works.
+  BackendError(std::string_view operation, std::string_view detail, bool earlier_work = false)
       : Error(std::string(operation) + " failed: " + std::string(detail)),
         operation_(operation),
-        detail_(detail) {}
+        detail_(detail),
+        earlier_work_(earlier_work) {}
   const std::string& operation() const { return operation_; }
   const std::string& detail() const { return detail_; }
+  bool earlier_work() const { return earlier_work_; }
 
  private:
   std::string operation_;
   std::string detail_;
+  bool earlier_work_;
 };
 
 }  // namespace spillway

@@ -413,7 +413,7 @@ void SimBackend::synchronize_stream(int device, StreamHandle handle) {
   }
   stream->Drain();
   if (std::optional<std::string> error = stream->TakeError()) {
-    throw BackendError("memcpy_async", *error);
+    throw BackendError("memcpy_async", *error, /*earlier_work=*/true);
   }
 }
 
@@ -454,7 +454,7 @@ void SimBackend::record_event(int device, EventHandle handle, StreamHandle strea
     throw BackendError("record_event", "injected event failure");
   }
   if (std::optional<std::string> error = stream->TakeError()) {
-    throw BackendError("memcpy_async", *error);
+    throw BackendError("memcpy_async", *error, /*earlier_work=*/true);
   }
   // The record is itself an op, so even on an idle stream completion is asynchronous (and
   // jittered), as it is on a GPU.
@@ -467,7 +467,7 @@ bool SimBackend::query_event(int device, EventHandle handle) {
   const Event& event = FindEventLocked("query_event", device, handle);
   if (event.stream == nullptr) return true;
   if (std::optional<std::string> error = event.stream->TakeError()) {
-    throw BackendError("memcpy_async", *error);
+    throw BackendError("memcpy_async", *error, /*earlier_work=*/true);
   }
   return event.stream->Reached(event.target);
 }
@@ -484,7 +484,7 @@ void SimBackend::synchronize_event(int device, EventHandle handle) {
   if (stream == nullptr) return;
   stream->WaitFor(target);
   if (std::optional<std::string> error = stream->TakeError()) {
-    throw BackendError("memcpy_async", *error);
+    throw BackendError("memcpy_async", *error, /*earlier_work=*/true);
   }
 }
 
@@ -548,7 +548,7 @@ void SimBackend::memcpy_async(int device, void* dst, const void* src, size_t byt
     }
   }
   if (std::optional<std::string> error = stream->TakeError()) {
-    throw BackendError("memcpy_async", *error);
+    throw BackendError("memcpy_async", *error, /*earlier_work=*/true);
   }
   if (CountdownFires(copy_countdown_)) {
     stream->Enqueue(

@@ -31,8 +31,8 @@
 //    counted together) is enqueued normally but, when its turn comes on the stream's worker, copies
 //    nothing (the destination keeps its old bytes) and leaves a sticky error on that stream. Later
 //    work on the stream still runs. The error is reported exactly once, by the first of these calls
-//    that finds it, which throws `BackendError("memcpy_async", "injected copy failure ...")` and
-//    clears it:
+//    that finds it, which throws `BackendError("memcpy_async", "injected copy failure ...")`, with
+//    `earlier_work()` true, and clears it:
 //      * `synchronize_stream(stream)`: after draining, so it always finds it;
 //      * `synchronize_event(event)`: for an event last recorded on that stream; it checks after
 //        waiting, so it always finds it when the event was recorded after the failing copy;

@@ -109,6 +109,10 @@ at::Tensor SavedHandle::Unpack() const {
     // catch it to shrink their batch see it as such.
     C10_THROW_ERROR(OutOfMemoryError, "spillway could not bring back the saved tensor " +
                                           Describe() + ": " + e.what());
+  } catch (const ProgramStreamError& e) {
+    // The program's own copy failed; Spillway's record on its stream only heard of it first.
+    TORCH_CHECK(false, "an earlier copy on the current stream failed (heard of while unpacking ",
+                Describe(), " for backward): ", e.what());
   } catch (const Error& e) {
     TORCH_CHECK(false, "spillway could not bring back the saved tensor ", Describe(), ": ",
                 e.what());

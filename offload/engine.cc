@@ -350,25 +350,23 @@ template <typename Copy, typename Record>
 void OffloadEngine::IssueCopy(int device, Residency direction, Copy copy, Record record) {
   // A copy that failed earlier on the stream is reported (once) to whichever call comes next,
   // and that call has no effect. The failure belongs to the copies in flight there (which one is
-  // not known): they fail, and what did not take effect is issued again. Reported to the record,
-  // it may be this very copy's: the copy is issued again too (its source is still intact).
-  const auto stale_copy_failed = [&](const BackendError& error) {
-    if (error.operation() != "memcpy_async") return false;
-    FailInFlight(device, direction, error.what());
-    return true;
-  };
-  try {
-    copy();
-  } catch (const BackendError& error) {
-    if (!stale_copy_failed(error)) throw;
-    copy();
-  }
-  try {
-    record();
-  } catch (const BackendError& error) {
-    if (!stale_copy_failed(error)) throw;
-    copy();
-    record();
+  // not known): they fail, every time one is heard of, and what did not take effect is issued
+  // again. Heard of at the record, it may be this very copy's: the copy is made again too (its
+  // source is still intact). A few rounds at most: each one settles a failure of its own.
+  constexpr int kMaxRounds = 4;
+  bool copied = false;
+  for (int round = 1;; ++round) {
+    try {
+      if (!copied) copy();
+      copied = true;
+      record();
+      return;
+    } catch (const BackendError& error) {
+      if (!error.earlier_work()) throw;
+      FailInFlight(device, direction, error.what());
+      if (round == kMaxRounds) throw;
+      copied = false;
+    }
   }
 }
 
@@ -376,7 +374,7 @@ void OffloadEngine::RecordOnProgramStream(int device, EventHandle event, StreamR
   try {
     backend_.record_event(device, event, stream.handle);
   } catch (const BackendError& error) {
-    if (error.operation() == "memcpy_async") throw ProgramStreamError(error);
+    if (error.earlier_work()) throw ProgramStreamError(error);
     throw;
   }
 }

@@ -98,7 +98,8 @@ size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool incl
   size_t released = 0;
   const auto spill = [&](Entry& e) {
     const auto info = allocator_.Lookup(e.storage->data());
-    // Refused for a prefetch (it keeps its host copy until read): GiveBackPrefetches takes those.
+    // Refused (a prefetch keeps its host copy until read, and GiveBackPrefetches takes those; no
+    // pinned memory; a copy that could not be issued): nothing released.
     if (!Spill(e)) return;
     released += info ? info->size : e.nbytes;
   };

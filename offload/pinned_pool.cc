@@ -229,7 +229,7 @@ bool PinnedPool::DeferLocked(uintptr_t ptr, StreamRef last_use) {
     event->record(last_use.handle);
   } catch (const BackendError& error) {
     if (event.has_value()) spare_events_.push_back(std::move(*event));  // still a usable event
-    if (error.operation() == "memcpy_async") deferred_error_ = error;
+    if (error.earlier_work()) deferred_error_ = error;
     return false;
   }
   pending_[last_use.id].push_back(Pending{std::move(*event), ptr});

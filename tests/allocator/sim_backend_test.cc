@@ -259,6 +259,13 @@ TEST(SimBackendTest, CopiesOutsideLiveDeviceAllocationsThrow) {
   backend.device_free(0, device);
   EXPECT_THROW(backend.memcpy_async(0, host.data(), device, 16, CopyKind::kDeviceToHost, nullptr),
                BackendError);  // Use after free.
+  // The call's own error, not one of earlier work: callers must not blame copies in flight.
+  try {
+    backend.memcpy_async(0, nullptr, host.data(), 16, CopyKind::kHostToDevice, nullptr);
+    ADD_FAILURE() << "a copy to null was accepted";
+  } catch (const BackendError& e) {
+    EXPECT_FALSE(e.earlier_work());
+  }
 }
 
 TEST(SimBackendTest, StreamMisuseThrows) {
@@ -401,6 +408,7 @@ void ExpectInjectedCopyFailure(const std::function<void()>& call) {
   } catch (const BackendError& e) {
     EXPECT_EQ(e.operation(), "memcpy_async");
     EXPECT_THAT(e.detail(), HasSubstr("injected copy failure"));
+    EXPECT_TRUE(e.earlier_work()) << "an earlier copy's failure must be told apart";
   }
 }
 

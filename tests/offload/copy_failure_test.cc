@@ -3,7 +3,9 @@
 // another entry, for the allocator, or on another stream altogether. Each test arranges one such
 // path with held streams and checks that the right entries fail (their Acquire says so rather
 // than return bytes that never arrived) and no other entry does.
+#include <algorithm>
 #include <chrono>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -39,8 +41,8 @@ class OffloadCopyFailure : public OffloadFaultInjection {
 
 // The reload of an entry whose copy to the host has not run yet reads the host buffer after that
 // copy. Here that copy fails: the reload's own copy succeeds (it moves whatever the buffer held),
-// and the failure is found on the other stream, by the engine's stream-wide wait. The entry must
-// fail, not pass for resident.
+// and the failure is found on the other stream (by Synchronize's wait for that spill's copy). The
+// entry must fail, not pass for resident.
 TEST_F(OffloadCopyFailure, OffloadAReloadFailsWhenTheSpillItReadsFromDid) {
   Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
   std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 71);
@@ -177,8 +179,10 @@ TEST_F(OffloadCopyFailure, OffloadWaitResidentReportsAFailedReload) {
 }
 
 // One reload's failure fails every reload in flight, healthy ones included (which one failed is
-// not known). A healthy one still queued must keep its block until its copy has run: dropped
-// now, its block is handed out again, and the copy must not land on the next owner's bytes.
+// not known). A healthy one still queued, that no stream waits for yet (a prefetch's, say), must
+// keep its block until its copy has run: dropped now, its block is handed out again, and the copy
+// must not land on the next owner's bytes. Gates hold the copy stream twice: b's failing copy runs
+// when the first opens, a's copy only when the second does, after the next owner wrote.
 TEST_F(OffloadCopyFailure, OffloadAReloadFailedWithAnotherKeepsItsCopyOrdered) {
   OffloadConfig config = Policy(OffloadPolicy::kEager);
   config.prefetch_bytes = 0;  // each reload asked for by its own Acquire
@@ -193,29 +197,44 @@ TEST_F(OffloadCopyFailure, OffloadAReloadFailedWithAnotherKeepsItsCopyOrdered) {
   ASSERT_EQ(StateOf(b), Residency::kSpilled);
 
   const StreamRef side = backend_->create_stream(0);
-  auto hold = backend_->hold_stream(0, side.handle);
+  const StreamRef h2d = engine_->h2d_stream_for_testing(0);
+  auto side_hold = backend_->hold_stream(0, side.handle);
+  std::unique_ptr<SimBackend::StreamHold> a_copy_hold;
   {
-    // Both reloads issued before b's copy fails (the copy stream is held until then).
-    auto copies_hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+    auto b_copy_hold = backend_->hold_stream(0, h2d.handle);
     backend_->fail_copy_after(1);  // b's copy back
     engine_->Acquire(idb, compute_);
     backend_->fail_copy_after(-1);
-    engine_->Acquire(ida, side);  // queued behind b's, waiting for the held consumer
+    a_copy_hold = backend_->hold_stream(0, h2d.handle);
+    engine_->set_skip_consumer_wait_for_testing(true);  // nobody waits for a's copy yet
+    engine_->Acquire(ida, side);
+    engine_->set_skip_consumer_wait_for_testing(false);
   }
   EXPECT_THROW(engine_->WaitResident(idb), Error);
   ASSERT_EQ(StateOf(a), Residency::kFailed);
 
+  void* const a_block = a->data();
   engine_->RemoveKeeper(ida);
   storages_.erase(std::find(storages_.begin(), storages_.end(), a));
   a.reset();
   // The next owner of a's block, on the stream it was allocated on, writes there.
   void* next = allocator_->Malloc(2 * kMiB, 0, side);
+  ASSERT_EQ(next, a_block);
   const std::vector<uint8_t> fill(2 * kMiB, kFill);
   backend_->memcpy_async(0, next, fill.data(), fill.size(), CopyKind::kHostToDevice, side.handle);
-  hold->Open();
+  EventHandle written = backend_->create_event(0);
+  backend_->record_event(0, written, side.handle);
+  side_hold->Open();
+  // Unordered, the write lands at once, before a's copy: give it that chance. Ordered after the
+  // copy it cannot run yet, and the wait just runs out.
+  for (int i = 0; i < 100 && !backend_->query_event(0, written); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  a_copy_hold->Open();
   engine_->Synchronize();
   EXPECT_EQ(ReadOn(side, next, 2 * kMiB), fill)
       << "the failed reload's copy landed after the next owner of its block wrote there";
+  backend_->destroy_event(0, written);
   allocator_->Free(next);
   b.reset();
   DropAllAndExpectNoLeaks({idb});
