@@ -128,9 +128,11 @@ std::shared_ptr<SavedHandle> Pack(const at::Tensor& tensor) {
     return std::make_shared<SavedHandle>(tensor);
   }
   const c10::Storage& storage = tensor.storage();
-  // A second storage over Spillway's memory: spilling it would free nothing, and it has no
-  // allocator to reload with. (Empty storages are the engine's to count.)
-  if (storage.nbytes() > 0 && !MadeBySpillway(storage)) {
+  // A second storage over Spillway's memory (from_numpy, DLPack): spilling it would free nothing,
+  // and it has no allocator to reload with. Only that needs asking here: AddKeeper looks the
+  // pointer up in the allocator anyway, and refuses memory that is not one of its blocks.
+  // (Empty storages are the engine's to count.)
+  if (storage.nbytes() > 0 && storage.unsafeGetStorageImpl()->allocator() == nullptr) {
     engine.CountSkip(kSkipForeign);
     return std::make_shared<SavedHandle>(tensor);
   }

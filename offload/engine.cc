@@ -9,7 +9,8 @@
 #include "allocator/history.h"
 #include "offload/engine_internal.h"
 
-// Residency and copies: registration, spill, reload, drop, failures, synchronization.
+// Residency and copies: registration, spill, reload, drop, synchronization. Copy failures are in
+// engine_failures.cc.
 namespace spillway {
 
 thread_local int engine_depth = 0;
@@ -257,61 +258,6 @@ void OffloadEngine::ReleaseHost(Entry& e, std::optional<StreamRef> last_use) {
   stats_.host_bytes.Decrease(static_cast<int64_t>(e.nbytes));
 }
 
-void OffloadEngine::MarkFailed(Entry& e, const std::string& why) {
-  // The device copy is gone (spilling), or the bytes never arrived (reloading).
-  if (e.state == Residency::kSpilling) {
-    stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
-    Note(OffloadEvent::Kind::kFailed, e);
-  }
-  // No longer a prefetch: its bytes must not hold back further prefetches, nor its entry pass
-  // for one (it is never acquired, so Acquire would not clear it).
-  if (e.prefetched) {
-    prefetched_bytes_ -= e.nbytes;
-    e.prefetched = false;
-  }
-  if (e.spill_done != nullptr) {
-    Device(e.device).spare.push_back(e.spill_done);  // nothing waits on it any more
-    e.spill_done = nullptr;
-  }
-  e.failed_while = e.state;
-  e.state = Residency::kFailed;
-  e.failure = why;
-}
-
-void OffloadEngine::FailInFlight(int device, Residency in_flight, const std::string& why) {
-  // A backend reports a failed asynchronous copy to whoever looks first, not necessarily for
-  // the copy that failed. Any copy in flight in that direction may be the one: none of their
-  // bytes can be trusted, and an error at use beats silently wrong data.
-  for (auto& [seq, entry] : by_seq_) {
-    if (entry->device != device) continue;
-    // A reload issued while its spill was still copying reads what that spill wrote.
-    const bool reads_a_spill = in_flight == Residency::kSpilling &&
-                               entry->state == Residency::kReloading &&
-                               entry->spill_done != nullptr;
-    if (entry->state == in_flight || reads_a_spill) MarkFailed(*entry, why);
-  }
-}
-
-void OffloadEngine::OnStreamError(const StreamError& error) {
-  EngineLock lock(mutex_);
-  if (error.device < 0 || error.device >= static_cast<int>(devices_.size())) return;
-  const DeviceContext* dc = devices_[static_cast<size_t>(error.device)].get();
-  if (dc == nullptr) return;
-  if (error.stream == dc->d2h.id) FailInFlight(error.device, Residency::kSpilling, error.message);
-  if (error.stream == dc->h2d.id) FailInFlight(error.device, Residency::kReloading, error.message);
-}
-
-bool OffloadEngine::CopyDone(Entry& e, EventHandle copy, Residency direction, bool wait) {
-  try {
-    if (!wait) return backend_.query_event(e.device, copy);
-    backend_.synchronize_event(e.device, copy);
-    return true;
-  } catch (const BackendError& error) {
-    FailInFlight(e.device, direction, error.what());
-    return false;
-  }
-}
-
 void OffloadEngine::Refresh(Entry& e, bool wait) {
   if (e.state != Residency::kSpilling && e.state != Residency::kReloading) return;
   // The spill a reload reads from first: the copy stream reports its failure once, to whoever
@@ -344,39 +290,6 @@ bool OffloadEngine::Eligible(const Entry& e) const {
 bool OffloadEngine::PolicyMaySpill(const Entry& e) {
   return e.state == Residency::kResident && !e.policy_refused && !e.acquired && !e.prefetched &&
          !e.saved_under_off;
-}
-
-template <typename Copy, typename Record>
-void OffloadEngine::IssueCopy(int device, Residency direction, Copy copy, Record record) {
-  // A copy that failed earlier on the stream is reported (once) to whichever call comes next,
-  // and that call has no effect. The failure belongs to the copies in flight there (which one is
-  // not known): they fail, every time one is heard of, and what did not take effect is issued
-  // again. Heard of at the record, it may be this very copy's: the copy is made again too (its
-  // source is still intact). A few rounds at most: each one settles a failure of its own.
-  constexpr int kMaxRounds = 4;
-  bool copied = false;
-  for (int round = 1;; ++round) {
-    try {
-      if (!copied) copy();
-      copied = true;
-      record();
-      return;
-    } catch (const BackendError& error) {
-      if (!error.earlier_work()) throw;
-      FailInFlight(device, direction, error.what());
-      if (round == kMaxRounds) throw;
-      copied = false;
-    }
-  }
-}
-
-void OffloadEngine::RecordOnProgramStream(int device, EventHandle event, StreamRef stream) {
-  try {
-    backend_.record_event(device, event, stream.handle);
-  } catch (const BackendError& error) {
-    if (error.earlier_work()) throw ProgramStreamError(error);
-    throw;
-  }
 }
 
 bool OffloadEngine::Spill(Entry& e) {

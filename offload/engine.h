@@ -37,6 +37,7 @@
 
 #include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "allocator/backend.h"
 #include "allocator/caching_allocator.h"
 #include "allocator/config.h"
@@ -204,8 +205,8 @@ class OffloadEngine {
   bool Spill(Entry& e);
   // Enqueues `copy` and then `record` (its done event) on the engine's copy stream for
   // `direction` (kSpilling: device to host), sorting out failures of earlier copies found there.
-  template <typename Copy, typename Record>
-  void IssueCopy(int device, Residency direction, Copy copy, Record record);
+  void IssueCopy(int device, Residency direction, absl::FunctionRef<void()> copy,
+                 absl::FunctionRef<void()> record);
   // Records `event` on a stream of the program's. A copy the program enqueued there that failed
   // is the program's error: thrown as ProgramStreamError, never blamed on the engine's copies.
   void RecordOnProgramStream(int device, EventHandle event, StreamRef stream);

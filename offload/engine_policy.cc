@@ -169,10 +169,8 @@ size_t OffloadEngine::GiveBackPrefetches(int device, size_t target_allocated) {
   for (auto& [seq, entry] : by_seq_) {
     if (AllocatedBytes(device) <= target_allocated) break;
     Entry& e = *entry;
-    if (e.device != device || !e.prefetched || e.host == nullptr ||
-        e.storage->external_holders() != 0) {
-      continue;
-    }
+    // (A prefetch keeps its host copy until it is acquired or fails, either of which ends it.)
+    if (e.device != device || !e.prefetched || e.storage->external_holders() != 0) continue;
     // Waits for the copy (and the spill it read from, if it was still copying): a failure
     // found there fails the entry, which then is no prefetch any more.
     Refresh(e, /*wait=*/true);

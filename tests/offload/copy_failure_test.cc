@@ -18,19 +18,6 @@ namespace {
 
 class OffloadCopyFailure : public OffloadFaultInjection {
  protected:
-  // Acquire must throw the entry's loss, every time it is asked.
-  void ExpectLost(KeeperId id) {
-    for (int attempt = 0; attempt < 2; ++attempt) {
-      try {
-        engine_->Acquire(id, compute_);
-        ADD_FAILURE() << "Acquire of an entry whose bytes never arrived returned a pointer";
-      } catch (const Error& e) {
-        EXPECT_TRUE(Contains(e.what(), "could not be brought back"));
-        EXPECT_TRUE(Contains(e.what(), "injected copy failure"));
-      }
-    }
-  }
-
   // Runs every op already enqueued on the device's streams, without asking any of them for an
   // error (the simulated device drains on a raw free and reports nothing).
   void DrainWithoutLooking() {
@@ -52,9 +39,7 @@ TEST_F(OffloadCopyFailure, OffloadAReloadFailsWhenTheSpillItReadsFromDid) {
   a->holders = 0;
   {
     auto hold = backend_->hold_stream(0, compute_.handle);
-    backend_->fail_copy_after(1);  // a's copy to the host
-    engine_->ForwardEnd();
-    backend_->fail_copy_after(-1);
+    WithNextCopyFailing([&] { engine_->ForwardEnd(); });  // a's copy to the host
     ASSERT_EQ(StateOf(a), Residency::kSpilling);
     engine_->Acquire(ida, compute_);  // backward wants it back before it ever left
     ASSERT_EQ(StateOf(a), Residency::kReloading);
@@ -80,9 +65,7 @@ TEST_F(OffloadCopyFailure, OffloadAReloadStopsWhenItsAllocationFindsItsSpillFail
   ASSERT_EQ(backend_->bytes_in_use(0), 64 * kMiB);
   a->holders = 0;
   auto hold = backend_->hold_stream(0, compute_.handle);
-  backend_->fail_copy_after(1);  // a's copy to the host
-  engine_->ForwardEnd();
-  backend_->fail_copy_after(-1);
+  WithNextCopyFailing([&] { engine_->ForwardEnd(); });  // a's copy to the host
   ASSERT_EQ(StateOf(a), Residency::kSpilling);
   // Acquire's own look at the copy comes first and finds it not run; the allocator's wait for the
   // block comes next and finds the failure once the hold opens. (Should the hold open before that
@@ -91,15 +74,7 @@ TEST_F(OffloadCopyFailure, OffloadAReloadStopsWhenItsAllocationFindsItsSpillFail
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     hold->Open();
   });
-  try {
-    engine_->Acquire(ida, compute_);
-    ADD_FAILURE() << "Acquire reloaded bytes that never reached the host";
-  } catch (const OutOfMemoryError& e) {
-    ADD_FAILURE() << "a failed copy reported as out of memory: " << e.what();
-  } catch (const Error& e) {
-    EXPECT_TRUE(Contains(e.what(), "could not be brought back"));
-    EXPECT_TRUE(Contains(e.what(), "injected copy failure"));
-  }
+  ExpectLostAt([&] { engine_->Acquire(ida, compute_); }, /*times=*/1);
   opener.join();
   EXPECT_EQ(StateOf(a), Residency::kFailed);
   EXPECT_EQ(a->data(), nullptr) << "the block taken for the reload was kept";
@@ -131,9 +106,7 @@ TEST_F(OffloadCopyFailure, OffloadAReloadThatFindsAPrefetchsFailureFailsThePrefe
   {
     // Held, so that the prefetch's copy fails only after the prefetch was issued completely.
     auto hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
-    backend_->fail_copy_after(1);     // b's copy back
-    engine_->Acquire(idc, compute_);  // prefetches b
-    backend_->fail_copy_after(-1);
+    WithNextCopyFailing([&] { engine_->Acquire(idc, compute_); });  // prefetches b; b's copy fails
   }
   ASSERT_TRUE(engine_->Describe(b.get())->prefetched);
   DrainWithoutLooking();  // b's copy has failed; nobody has looked
@@ -157,19 +130,9 @@ TEST_F(OffloadCopyFailure, OffloadWaitResidentReportsAFailedReload) {
   ASSERT_FALSE(HasFailure());
   {
     auto hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
-    backend_->fail_copy_after(1);  // a's copy back
-    engine_->Acquire(ida, compute_);
-    backend_->fail_copy_after(-1);
+    WithNextCopyFailing([&, id = ida] { engine_->Acquire(id, compute_); });  // a's copy back
   }
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    try {
-      engine_->WaitResident(ida);
-      ADD_FAILURE() << "WaitResident returned for an entry whose copy failed";
-    } catch (const Error& e) {
-      EXPECT_TRUE(Contains(e.what(), "could not be brought back"));
-      EXPECT_TRUE(Contains(e.what(), "injected copy failure"));
-    }
-  }
+  ExpectLostAt([&, id = ida] { engine_->WaitResident(id); });
   EXPECT_EQ(StateOf(a), Residency::kFailed);
   ExpectLost(ida);
   EXPECT_EQ(AcquireAndRead(idb, 16 * kMiB), Pattern(16 * kMiB, 2));
@@ -202,9 +165,7 @@ TEST_F(OffloadCopyFailure, OffloadAReloadFailedWithAnotherKeepsItsCopyOrdered) {
   std::unique_ptr<SimBackend::StreamHold> a_copy_hold;
   {
     auto b_copy_hold = backend_->hold_stream(0, h2d.handle);
-    backend_->fail_copy_after(1);  // b's copy back
-    engine_->Acquire(idb, compute_);
-    backend_->fail_copy_after(-1);
+    WithNextCopyFailing([&] { engine_->Acquire(idb, compute_); });  // b's copy back
     a_copy_hold = backend_->hold_stream(0, h2d.handle);
     engine_->set_skip_consumer_wait_for_testing(true);  // nobody waits for a's copy yet
     engine_->Acquire(ida, side);
@@ -268,10 +229,10 @@ TEST_F(OffloadCopyFailure, OffloadTheProgramsFailedCopyIsNotBlamedOnSpills) {
   EventHandle copied = backend_->create_event(0);
   {
     auto compute_hold = backend_->hold_stream(0, compute_.handle);
-    backend_->fail_copy_after(1);
-    backend_->memcpy_async(0, scratch.data(), block, kMiB, CopyKind::kDeviceToHost,
-                           compute_.handle);
-    backend_->fail_copy_after(-1);
+    WithNextCopyFailing([&] {
+      backend_->memcpy_async(0, scratch.data(), block, kMiB, CopyKind::kDeviceToHost,
+                             compute_.handle);
+    });
     backend_->record_event(0, copied, compute_.handle);
     backend_->stream_wait_event(0, watcher.handle, copied);
   }

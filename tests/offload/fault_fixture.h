@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "allocator/errors.h"
 #include "tests/offload/engine_fixture.h"
 
 namespace spillway::testing {
@@ -55,6 +56,38 @@ class OffloadFaultInjection : public OffloadEngineTest {
   }
 
   static constexpr uint8_t kFill = 0x5A;
+
+  // Runs `call` with the next copy the simulated device runs made to fail (disarmed after the
+  // call, however it ends; a copy it enqueues that runs later is still the one that fails).
+  template <typename Call>
+  void WithNextCopyFailing(Call call) {
+    struct Disarm {
+      SimBackend& backend;
+      ~Disarm() { backend.fail_copy_after(-1); }
+    } disarm{*backend_};
+    backend_->fail_copy_after(1);
+    call();
+  }
+
+  // `call` must throw the loss of an entry whose copy failed, never a pointer or out of memory,
+  // each of `times` times it is made.
+  template <typename Call>
+  void ExpectLostAt(Call call, int times = 2) {
+    for (int attempt = 0; attempt < times; ++attempt) {
+      try {
+        call();
+        ADD_FAILURE() << "a call for an entry whose bytes never arrived returned";
+      } catch (const OutOfMemoryError& e) {
+        ADD_FAILURE() << "a failed copy reported as out of memory: " << e.what();
+      } catch (const Error& e) {
+        EXPECT_TRUE(Contains(e.what(), "could not be brought back"));
+        EXPECT_TRUE(Contains(e.what(), "injected copy failure"));
+      }
+    }
+  }
+  void ExpectLost(KeeperId id) {
+    ExpectLostAt([&] { engine_->Acquire(id, compute_); });
+  }
 
   // Where the reload tests start: on a 64 MiB device, `a` (12 MiB, its own segment) is spilled
   // and `b` (16 MiB) stays resident, held by the program throughout.

@@ -153,25 +153,12 @@ TEST_F(OffloadFaultInjection, OffloadFailedSpillCopy) {
   a->holders = 0;
   {
     auto hold = backend_->hold_stream(0, compute_.handle);
-    backend_->fail_copy_after(1);  // a's device-to-host copy
-    engine_->ForwardEnd();
+    WithNextCopyFailing([&] { engine_->ForwardEnd(); });  // a's device-to-host copy
     ASSERT_EQ(StateOf(a), Residency::kSpilling);
   }
   EXPECT_NO_THROW(engine_->Synchronize()) << "the failure belongs to a's entry, not to the caller";
-  backend_->fail_copy_after(-1);
   EXPECT_EQ(StateOf(a), Residency::kFailed);
-
-  for (int attempt = 0; attempt < 2; ++attempt) {  // the error is the entry's, every time asked
-    try {
-      engine_->Acquire(ida, compute_);
-      ADD_FAILURE() << "Acquire of an entry whose copy failed returned a pointer";
-    } catch (const OutOfMemoryError& e) {
-      ADD_FAILURE() << "a failed copy reported as out of memory: " << e.what();
-    } catch (const Error& e) {
-      EXPECT_TRUE(Contains(e.what(), "could not be brought back"));
-      EXPECT_TRUE(Contains(e.what(), "injected copy failure"));
-    }
-  }
+  ExpectLost(ida);  // the error is the entry's, every time asked
   EXPECT_EQ(a->data(), nullptr);
   EXPECT_EQ(EngineStat("spilled_bytes.current"), static_cast<int64_t>(2 * kMiB));  // b only
 
