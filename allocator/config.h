@@ -62,7 +62,7 @@ struct OffloadConfig {
   double budget_fraction = 0.8;
   // Entries smaller than this are never spilled.
   size_t min_bytes = size_t{1} << 20;
-  // How many bytes to reload ahead of use during backward.
+  // How many bytes to reload ahead of use during backward, per device.
   size_t prefetch_bytes = size_t{256} << 20;
   // Upper bound on pinned host bytes the engine may hold. 0 = no limit.
   size_t host_limit_bytes = 0;

@@ -208,7 +208,7 @@ void OffloadEngine::MarkReleased(const void* key, const std::string& why) {
 
 void OffloadEngine::DiscardCopies(Entry& e) {
   Refresh(e);
-  if (e.prefetched) prefetched_bytes_ -= e.nbytes;
+  if (e.prefetched) Device(e.device).prefetched_bytes -= e.nbytes;
   e.prefetched = false;
   if (e.state == Residency::kSpilling || e.state == Residency::kSpilled) {
     stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
@@ -445,7 +445,7 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
   // by a policy again (PolicyMaySpill), and must not pass for one that was never used.
   e.acquired = true;
   if (e.prefetched) {
-    prefetched_bytes_ -= e.nbytes;
+    Device(e.device).prefetched_bytes -= e.nbytes;
     e.prefetched = false;
     // Used now: the host copy kept for a give-back goes (if still copying, Refresh frees it).
     if (e.state == Residency::kResident) ReleaseHost(e, std::nullopt);

@@ -265,8 +265,7 @@ class OffloadEngine {
   absl::btree_map<uint64_t, Entry*> offloaded_;
   uint64_t next_seq_ = 1;
   KeeperId next_keeper_ = 1;
-  size_t prefetched_bytes_ = 0;  // reloaded ahead of use, not yet acquired
-  bool in_policy_ = false;       // the policy's own allocations must not re-enter it
+  bool in_policy_ = false;  // the policy's own allocations must not re-enter it
   bool skip_consumer_wait_ = false;
   OffloadStats stats_;
   static constexpr size_t kMaxEvents = 1 << 16;

@@ -18,7 +18,7 @@ void OffloadEngine::MarkFailed(Entry& e, const std::string& why) {
   // No longer a prefetch: its bytes must not hold back further prefetches, nor its entry pass
   // for one (it is never acquired, so Acquire would not clear it).
   if (e.prefetched) {
-    prefetched_bytes_ -= e.nbytes;
+    Device(e.device).prefetched_bytes -= e.nbytes;
     e.prefetched = false;
   }
   if (e.spill_done != nullptr) {

@@ -103,6 +103,7 @@ struct OffloadEngine::DeviceContext {
   PinnedPool pool;
   std::vector<EventHandle> events;  // every event this context created (entries borrow them)
   std::vector<EventHandle> spare;   // not borrowed right now
+  size_t prefetched_bytes = 0;      // reloaded ahead of use on this device, not yet acquired
 };
 
 }  // namespace spillway

@@ -14,8 +14,10 @@ namespace spillway {
 void OffloadEngine::Prefetch(int device, uint64_t before_seq, StreamRef consumer) {
   // Under "off" too: saves spilled by an inner block come back ahead of use all the same.
   if (config_.prefetch_bytes == 0) return;
+  // Per device: each has its own memory, budget and copy stream.
+  size_t& prefetched = Device(device).prefetched_bytes;
   uint64_t cursor = before_seq;  // newest first, from just below `before_seq`
-  while (prefetched_bytes_ < config_.prefetch_bytes) {
+  while (prefetched < config_.prefetch_bytes) {
     auto it = offloaded_.lower_bound(cursor);
     if (it == offloaded_.begin()) break;
     --it;
@@ -42,7 +44,7 @@ void OffloadEngine::Prefetch(int device, uint64_t before_seq, StreamRef consumer
     }
     offloaded_.erase(cursor);
     e.prefetched = true;
-    prefetched_bytes_ += e.nbytes;
+    prefetched += e.nbytes;
   }
 }
 
@@ -180,7 +182,7 @@ size_t OffloadEngine::GiveBackPrefetches(int device, size_t target_allocated) {
     e.storage->drop_device_memory();
     e.state = Residency::kSpilled;
     e.prefetched = false;
-    prefetched_bytes_ -= e.nbytes;
+    Device(e.device).prefetched_bytes -= e.nbytes;
     offloaded_[e.seq] = &e;
     stats_.spilled_bytes.Increase(static_cast<int64_t>(e.nbytes));
     Note(OffloadEvent::Kind::kPrefetchGivenBack, e);

@@ -1,4 +1,9 @@
 // The residency state machine, one test per transition, and the keeper rules.
+#include <map>
+#include <memory>
+#include <optional>
+#include <vector>
+
 #include "tests/offload/engine_fixture.h"
 
 namespace spillway::testing {
@@ -223,46 +228,89 @@ TEST_F(OffloadTransitions, UnknownKeeperIsAClearError) {
   EXPECT_THROW(engine_->RemoveKeeper(12345), InvalidArgumentError);
 }
 
-// A process driving two devices: backward on device 1 prefetches device 1's older saves and
-// passes over device 0's (device 1's stream is none of theirs: trying it stopped the prefetch).
-TEST(OffloadTwoDevices, PrefetchStaysOnTheConsumersDevice) {
-  SimBackend::Options options;
-  options.devices = 2;
-  options.capacity_bytes = size_t{64} << 20;
-  auto backend = std::make_shared<SimBackend>(options);
-  CachingAllocator allocator(backend, AllocatorConfig{});
-  OffloadEngine engine(allocator, Policy(OffloadPolicy::kEager));
-  const StreamRef on0 = backend->default_stream(0);
-  const StreamRef on1 = backend->default_stream(1);
-  const auto make = [&](int device, StreamRef stream) {
-    return std::make_shared<AllocatorStorage>(allocator, 2 * kMiB, stream, 0, device);
-  };
-  const auto save = [&](const std::shared_ptr<AllocatorStorage>& s, StreamRef stream) {
+// A process driving two devices, each with its own saves.
+class OffloadTwoDevices : public ::testing::Test {
+ protected:
+  void Make(const OffloadConfig& config) {
+    SimBackend::Options options;
+    options.devices = 2;
+    options.capacity_bytes = size_t{64} << 20;
+    backend_ = std::make_shared<SimBackend>(options);
+    allocator_.emplace(backend_, AllocatorConfig{});
+    engine_.emplace(*allocator_, config);
+  }
+  ~OffloadTwoDevices() override {
+    for (const KeeperId id : ids_) engine_->RemoveKeeper(id);
+  }
+  StreamRef On(int device) const { return backend_->default_stream(device); }
+  // A 2 MiB storage on `device`, saved there (its program holds it no more).
+  std::shared_ptr<AllocatorStorage> Save(int device) {
+    auto s = std::make_shared<AllocatorStorage>(*allocator_, 2 * kMiB, On(device), 0, device);
     ViewInfo view;
     view.sizes = {static_cast<int64_t>(s->nbytes() / 4)};
     view.strides = {1};
     view.element_size = 4;
-    return engine
-        .AddKeeper(
-            s.get(), [&] { return s; }, view, stream)
-        .value();
-  };
-  auto older1 = make(1, on1);
-  auto newer0 = make(0, on0);
-  auto newest1 = make(1, on1);
-  const KeeperId id_older1 = save(older1, on1);
-  const KeeperId id_newer0 = save(newer0, on0);
-  const KeeperId id_newest1 = save(newest1, on1);
-  engine.ForwardEnd();
-  engine.Synchronize();
-  ASSERT_EQ(engine.Describe(newer0.get())->residency, Residency::kSpilled);
+    ids_.push_back(engine_
+                       ->AddKeeper(
+                           s.get(), [&] { return s; }, view, On(device))
+                       .value());
+    ids_of_[s.get()] = ids_.back();
+    return s;
+  }
+  void Acquire(const std::shared_ptr<AllocatorStorage>& s, int device) {
+    engine_->Acquire(ids_of_.at(s.get()), On(device));
+  }
+  bool Prefetched(const std::shared_ptr<AllocatorStorage>& s) const {
+    return engine_->Describe(s.get())->prefetched;
+  }
+  Residency StateOf(const std::shared_ptr<AllocatorStorage>& s) const {
+    return engine_->Describe(s.get())->residency;
+  }
 
-  engine.Acquire(id_newest1, on1);
-  EXPECT_TRUE(engine.Describe(older1.get())->prefetched);
-  EXPECT_EQ(engine.Describe(newer0.get())->residency, Residency::kSpilled);
-  engine.Synchronize();
-  EXPECT_EQ(engine.Describe(older1.get())->residency, Residency::kResident);
-  for (const KeeperId id : {id_older1, id_newer0, id_newest1}) engine.RemoveKeeper(id);
+  std::shared_ptr<SimBackend> backend_;
+  std::optional<CachingAllocator> allocator_;
+  std::optional<OffloadEngine> engine_;
+  std::vector<KeeperId> ids_;
+  std::map<const void*, KeeperId> ids_of_;
+};
+
+// Backward on device 1 prefetches device 1's older saves and passes over device 0's (device 1's
+// stream is none of theirs: trying it stopped the prefetch).
+TEST_F(OffloadTwoDevices, PrefetchStaysOnTheConsumersDevice) {
+  Make(Policy(OffloadPolicy::kEager));
+  auto older1 = Save(1);
+  auto newer0 = Save(0);
+  auto newest1 = Save(1);
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(newer0), Residency::kSpilled);
+
+  Acquire(newest1, 1);
+  EXPECT_TRUE(Prefetched(older1));
+  EXPECT_EQ(StateOf(newer0), Residency::kSpilled);
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(older1), Residency::kResident);
+}
+
+// prefetch_bytes holds per device: a prefetch on device 0 that nobody acquired yet leaves device
+// 1's backward its own prefetch (one sum over both devices stopped it).
+TEST_F(OffloadTwoDevices, PrefetchBytesCountPerDevice) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 2 * kMiB;  // one save ahead
+  Make(config);
+  auto older0 = Save(0);
+  auto newer0 = Save(0);
+  auto older1 = Save(1);
+  auto newer1 = Save(1);
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(older1), Residency::kSpilled);
+
+  Acquire(newer0, 0);
+  ASSERT_TRUE(Prefetched(older0));
+  Acquire(newer1, 1);
+  EXPECT_TRUE(Prefetched(older1)) << "device 0's prefetch held device 1's back";
+  engine_->Synchronize();
 }
 
 }  // namespace
