@@ -348,7 +348,8 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
   }
   // Reuse waits for every other stream that used the block: one event per stream, polled at
   // the next Malloc. If an event cannot be recorded, wait for that stream on the host instead;
-  // if even that fails the block is quarantined (never reused) rather than risk corruption.
+  // if even that fails the block is quarantined (never reused) rather than risk corruption, and
+  // the failure goes to the stream's owner. Free itself does not fail: the pointer is freed.
   BlockExtras& extras = arena_.mutable_extras(id);
   absl::InlinedVector<StreamRef, 1> uses;
   uses.swap(extras.stream_uses);
@@ -362,13 +363,9 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
       if (event != nullptr) spare_events_.push_back(event);
       // The record may have failed because earlier work on that stream failed (a backend
       // reports that once, to whoever looks): the stream's owner must hear of it.
-      if (error.earlier_work()) {
-        stream_errors_.push_back(StreamError{device_, use.id, error.what()});
-        has_stream_errors_.store(true, std::memory_order_relaxed);
-      }
-      AddPendingEvent(id);  // quarantine unless the host wait below succeeds
-      backend_.synchronize_stream(device_, use.handle);
-      EventDone(id);
+      if (error.earlier_work()) NoteStreamError(use.id, error);
+      if (WaitOnHost(use)) continue;
+      AddPendingEvent(id);  // quarantined: the stream cannot be waited for, the block never reused
       continue;
     }
     pending_[use.id].push_back(Pending{event, id});
@@ -376,6 +373,18 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
   }
   if (!block.pending) FreeBlock(id);
   return true;
+}
+
+bool DeviceAllocator::WaitOnHost(const StreamRef& use) {
+  try {
+    backend_.synchronize_stream(device_, use.handle);
+    return true;
+  } catch (const BackendError& error) {
+    // Either way the stream's owner hears of it. An earlier failure is reported (once) after
+    // draining: the stream has passed the free. Otherwise the wait itself failed.
+    NoteStreamError(use.id, error);
+    return error.earlier_work();
+  }
 }
 
 void DeviceAllocator::FreeBlock(BlockId id) {
@@ -433,8 +442,9 @@ bool DeviceAllocator::ReleaseSegment(BlockId id) {
   const Block& block = arena_[id];
   if (block.is_split() || !block.is_free()) return false;
   const PoolKind kind = block.pool;
-  IndexErase(id);
+  // The device free first: should it throw, the segment is still cached and indexed, whole.
   backend_.device_free(device_, reinterpret_cast<void*>(block.ptr));
+  IndexErase(id);
   segments_.erase(block.ptr);
   stats_.segment.Decrease(kind, 1);
   stats_.reserved_bytes.Decrease(kind, static_cast<int64_t>(block.size()));

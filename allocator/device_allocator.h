@@ -196,6 +196,11 @@ class DeviceAllocator {
   // Whether the work behind `event` (a stream use on `stream`) is over. A failed copy is over
   // too: the error is kept for the stream's owner and the block becomes reusable.
   bool UseIsOver(uint64_t stream, EventHandle event, bool wait);
+  // Free's fallback when no event can be recorded for a stream use: waits for `use` on the host.
+  // False when even that fails (the block must then never be reused).
+  bool WaitOnHost(const StreamRef& use);
+  // Keeps a failure of work on `stream` for its owner (TakeStreamErrors).
+  void NoteStreamError(uint64_t stream, const BackendError& error);
   void Trace(TraceAction action, uintptr_t addr, size_t size, uint64_t stream,
              TraceContext context);
   // Trace of a block: its stream's id is looked up only when history is on.

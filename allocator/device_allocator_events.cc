@@ -119,17 +119,29 @@ bool DeviceAllocator::SynchronizeAllEvents() {
 }
 
 bool DeviceAllocator::UseIsOver(uint64_t stream, EventHandle event, bool wait) {
-  try {
-    if (wait) {
-      backend_.synchronize_event(device_, event);
-      return true;
+  // A failure reported here may be earlier work's, reported once to whoever looks first: it goes
+  // to the stream's owner. A wait reports after waiting, so the use is over then; a poll reports
+  // before looking at the event, so it asks again (a few times: each report is another failure).
+  constexpr int kMaxPolls = 4;
+  for (int poll = 1;; ++poll) {
+    try {
+      if (wait) {
+        backend_.synchronize_event(device_, event);
+        return true;
+      }
+      return backend_.query_event(device_, event);
+    } catch (const BackendError& error) {
+      NoteStreamError(stream, error);
+      // Not an earlier copy's (CUDA's failures are sticky: nothing on the stream runs any more).
+      if (wait || !error.earlier_work()) return true;
+      if (poll == kMaxPolls) return false;  // failures still coming: the next poll looks again
     }
-    return backend_.query_event(device_, event);
-  } catch (const BackendError& error) {
-    stream_errors_.push_back(StreamError{device_, stream, error.what()});
-    has_stream_errors_.store(true, std::memory_order_relaxed);
-    return true;
   }
+}
+
+void DeviceAllocator::NoteStreamError(uint64_t stream, const BackendError& error) {
+  stream_errors_.push_back(StreamError{device_, stream, error.what()});
+  has_stream_errors_.store(true, std::memory_order_relaxed);
 }
 
 std::vector<StreamError> DeviceAllocator::TakeStreamErrors() {

@@ -32,7 +32,9 @@ size_t SizePolicy::RoundUpPower2Division(size_t size, size_t divisions) const {
 size_t SizePolicy::RoundSize(size_t size) const {
   if (size < kMinBlockSize) return kMinBlockSize;
   const size_t divisions = config_.roundup_power2_divisions[IntervalIndex(size)];
-  if (divisions > 1 && size > kMinBlockSize * divisions) {
+  // size > kMinBlockSize * divisions, without the product (any power of two is accepted, and
+  // a huge one wrapped it to 0).
+  if (divisions > 1 && divisions <= (size - 1) / kMinBlockSize) {
     return RoundUp(RoundUpPower2Division(size, divisions), kMinBlockSize);
   }
   return RoundUp(size, kMinBlockSize);

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstddef>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "allocator/backend.h"
@@ -125,6 +126,107 @@ TEST(PendingFreeTest, FreeFallsBackToHostWaitWhenEventCreationFails) {
   alloc.Free(p);
   alloc.EmptyCache();
   EXPECT_EQ(alloc.stats(0).reserved_bytes.all().current, 0) << "the segment could not be released";
+  EXPECT_EQ(backend->bytes_in_use(0), 0u);
+}
+
+// A poll that hears of an earlier copy's failure on a stream (the simulated device reports it
+// once, to the first call that looks, before looking at the event) says nothing of the stream's
+// later work: the block stays pending until the stream has passed its free, and the stream's
+// owner hears of the failure.
+TEST(PendingFreeTest, AFailureHeardByAPollLeavesTheBlockPending) {
+  auto backend = std::make_shared<SimBackend>(JitterOptions(0us));
+  CachingAllocator alloc(backend, AllocatorConfig{});
+  int errors = 0;
+  alloc.SetStreamErrorObserver([&](const StreamError&) { ++errors; });
+  const StreamRef a = backend->default_stream(0);
+  const StreamRef u = backend->create_stream(0);
+  void* p = alloc.Malloc(4096, 0, a);
+  void* scratch = alloc.Malloc(4096, 0, a);
+  std::vector<unsigned char> host(4096);
+  auto first_hold = backend->hold_stream(0, u.handle);
+  backend->fail_copy_after(1);
+  backend->memcpy_async(0, host.data(), scratch, 512, CopyKind::kDeviceToHost, u.handle);
+  backend->fail_copy_after(-1);
+  backend->memcpy_async(0, host.data(), scratch, 512, CopyKind::kDeviceToHost, u.handle);
+  auto second_hold = backend->hold_stream(0, u.handle);
+  backend->memcpy_async(0, host.data(), p, 4096, CopyKind::kDeviceToHost, u.handle);  // reads p
+  alloc.RecordStream(p, u);
+  alloc.Free(p);
+  first_hold->Open();
+  // The good copy after the failing one has run: the failure is there, u waits at the second gate.
+  while (backend->num_copies() < 1) std::this_thread::yield();
+
+  void* q = alloc.Malloc(4096, 0, a);
+  EXPECT_NE(q, p) << "p was handed out again while u still had to read it";
+  EXPECT_EQ(errors, 1) << "the failure found by the poll did not reach the stream's owner";
+  EXPECT_EQ(alloc.stats(0).active.all().current, 3) << "p is no longer pending";
+  second_hold->Open();
+  backend->synchronize_stream(0, u.handle);
+  alloc.Free(q);
+  alloc.Free(scratch);
+  alloc.ProcessEvents(0);
+  ExpectFreedAtOnce(alloc);
+}
+
+// A free whose stream use cannot get an event waits on the host; when that wait drains the
+// stream and then reports an earlier copy's failure, the stream has passed the free: the block is
+// free, Free does not throw, and the failure goes to the stream's owner.
+TEST(PendingFreeTest, AHostWaitThatHearsAnEarlierFailureStillFrees) {
+  auto backend = std::make_shared<SimBackend>(JitterOptions(0us));
+  CachingAllocator alloc(backend, AllocatorConfig{});
+  int errors = 0;
+  alloc.SetStreamErrorObserver([&](const StreamError&) { ++errors; });
+  const StreamRef a = backend->default_stream(0);
+  const StreamRef b = backend->create_stream(0);
+  void* p = alloc.Malloc(4096, 0, a);
+  alloc.RecordStream(p, b);
+  std::vector<unsigned char> host(4096);
+  backend->fail_copy_after(1);
+  backend->memcpy_async(0, host.data(), p, host.size(), CopyKind::kDeviceToHost, b.handle);
+  backend->fail_copy_after(-1);
+  backend->fail_event_after(1);  // the allocator's first create_event: no spare yet
+  EXPECT_NO_THROW(alloc.Free(p));
+  backend->fail_event_after(-1);
+  ExpectFreedAtOnce(alloc);
+  EXPECT_EQ(errors, 1);
+  EXPECT_EQ(alloc.Malloc(4096, 0, a), p) << "the freed block was lost";
+  alloc.Free(p);
+  alloc.EmptyCache();
+  EXPECT_EQ(backend->bytes_in_use(0), 0u);
+}
+
+// A simulated device whose next device_free fails.
+class FailingFreeBackend : public SimBackend {
+ public:
+  using SimBackend::SimBackend;
+  void device_free(int device, void* ptr) override {
+    if (fail_next_free) {
+      fail_next_free = false;
+      throw BackendError("device_free", "injected free failure");
+    }
+    SimBackend::device_free(device, ptr);
+  }
+  bool fail_next_free = false;
+};
+
+// A segment whose device free fails stays cached, whole and reusable: not dropped from the free
+// index while still counted as reserved (its space was lost, and a later EmptyCache freed it
+// twice).
+TEST(PendingFreeTest, ASegmentWhoseDeviceFreeFailsStaysCached) {
+  auto backend = std::make_shared<FailingFreeBackend>(JitterOptions(0us));
+  CachingAllocator alloc(backend, AllocatorConfig{});
+  const StreamRef a = backend->default_stream(0);
+  void* p = alloc.Malloc(4 * kMiB, 0, a);
+  alloc.Free(p);
+  backend->fail_next_free = true;
+  EXPECT_THROW(alloc.EmptyCache(), BackendError);
+  EXPECT_EQ(alloc.stats(0).reserved_bytes.all().current, static_cast<int64_t>(20 * kMiB));
+  const int64_t mallocs = backend->num_device_mallocs();
+  EXPECT_EQ(alloc.Malloc(4 * kMiB, 0, a), p);
+  EXPECT_EQ(backend->num_device_mallocs(), mallocs) << "the cached segment was not reused";
+  alloc.Free(p);
+  EXPECT_NO_THROW(alloc.EmptyCache());
+  EXPECT_EQ(alloc.stats(0).reserved_bytes.all().current, 0);
   EXPECT_EQ(backend->bytes_in_use(0), 0u);
 }
 

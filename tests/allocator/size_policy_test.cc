@@ -39,6 +39,18 @@ TEST(SizePolicy, RoundupPower2Divisions) {
   EXPECT_EQ(policy.RoundSize(4 * kMiB), 4 * kMiB);  // powers of two stay
 }
 
+TEST(SizePolicy, DivisionsBeyondTheSizeLeavePlainRounding) {
+  AllocatorConfig config;
+  config.roundup_power2_divisions.fill(2048);
+  // Above 2048 * 512 bytes, in 2048 steps per power of two: [2, 4) MiB in steps of 1 KiB.
+  EXPECT_EQ(SizePolicy{config}.RoundSize(3 * kMiB - 600), 3 * kMiB);
+  // The parser accepts any power of two; 512 * 2^55 wraps to 0 in 64 bits, and every request
+  // became a power of two.
+  config.roundup_power2_divisions.fill(size_t{1} << 55);
+  EXPECT_EQ(SizePolicy{config}.RoundSize(3 * kMiB), 3 * kMiB);
+  EXPECT_EQ(SizePolicy{config}.RoundSize(5 * kMiB + 1), 5 * kMiB + 512);
+}
+
 TEST(SizePolicy, SplitRules) {
   AllocatorConfig config;
   config.max_split_size = 40 * kMiB;
