@@ -501,6 +501,12 @@ void OffloadEngine::Synchronize() {
     }
   }
   for (auto& [seq, entry] : by_seq_) Refresh(*entry);
+  // The blocks spills gave back waited only for those copies: free them now, so that statistics
+  // and snapshots taken after Synchronize show them free rather than pending until the next
+  // allocation.
+  for (const auto& dc : devices_) {
+    if (dc != nullptr) allocator_.ProcessEvents(dc->device);
+  }
 }
 
 const void* OffloadEngine::window_oldest_for_testing(int device) const {

@@ -140,7 +140,8 @@ class OffloadEngine {
   // allocation of the engine's own prefetch (a guess that stops instead). Returns the bytes
   // released.
   size_t ReleaseMemory(int device, size_t bytes);
-  // Waits for every copy in flight and settles the states.
+  // Waits for every copy in flight and settles the states; device blocks the spills gave back are
+  // free when it returns.
   void Synchronize();
   // Gives every wholly free pinned host chunk back (what spilled data no longer uses): part of
   // spillway.empty_cache().

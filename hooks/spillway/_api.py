@@ -158,8 +158,7 @@ _open_blocks = 0
 _process_wide = False
 
 
-@contextlib.contextmanager
-def offload(policy=None, budget_bytes=None, min_bytes=None, prefetch_bytes=None):
+class offload(contextlib.ContextDecorator):
     """Offloads tensors saved for backward inside the block.
 
     policy: "auto" (before an allocation would take allocated bytes past a budget, spill the
@@ -179,31 +178,57 @@ def offload(policy=None, budget_bytes=None, min_bytes=None, prefetch_bytes=None)
     block's settings come back; when to spill is up to the policy in force. The outermost block's
     settings stay in force after it, for the backward pass (under the environment hook, the
     process-wide settings come back instead). Blocks are meant to be opened by one thread.
+
+    The arguments are checked when the block is made; it can be entered again (each step of a
+    training loop, say, as with save_on_cpu), nested in itself, and used as a decorator.
     """
-    global _open_blocks
-    if policy is not None and policy not in _POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(_POLICIES)}, got {policy!r}")
-    budget_bytes = _check_bytes("budget_bytes", budget_bytes, positive=True)
-    min_bytes = _check_bytes("min_bytes", min_bytes)
-    prefetch_bytes = _check_bytes("prefetch_bytes", prefetch_bytes)
-    _require_installed("offload")
-    defaults = _C.offload_defaults()
-    enclosing = _C.offload_config() if (_open_blocks > 0 or _process_wide) else None
-    _C.configure_offload(
-        policy if policy is not None else defaults["policy"],
-        budget_bytes if budget_bytes is not None else defaults["budget_bytes"],
-        defaults["budget_fraction"],
-        min_bytes if min_bytes is not None else defaults["min_bytes"],
-        prefetch_bytes if prefetch_bytes is not None else defaults["prefetch_bytes"],
-    )
-    _open_blocks += 1
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+
+    def __init__(self, policy=None, budget_bytes=None, min_bytes=None, prefetch_bytes=None):
+        if policy is not None and policy not in _POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(_POLICIES)}, got {policy!r}")
+        self._policy = policy
+        self._budget_bytes = _check_bytes("budget_bytes", budget_bytes, positive=True)
+        self._min_bytes = _check_bytes("min_bytes", min_bytes)
+        self._prefetch_bytes = _check_bytes("prefetch_bytes", prefetch_bytes)
+        self._entered = []  # per open entry: its saved-tensor hooks and the settings it replaced
+
+    def __enter__(self):
+        global _open_blocks
+        _require_installed("offload")
+        defaults = _C.offload_defaults()
+        enclosing = _C.offload_config() if (_open_blocks > 0 or _process_wide) else None
+
+        def given(value, key):
+            return value if value is not None else defaults[key]
+
+        _C.configure_offload(given(self._policy, "policy"),
+                             given(self._budget_bytes, "budget_bytes"),
+                             defaults["budget_fraction"], given(self._min_bytes, "min_bytes"),
+                             given(self._prefetch_bytes, "prefetch_bytes"))
+        _open_blocks += 1
+        hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+        try:
+            hooks.__enter__()
+        except BaseException:
+            self._leave(enclosing)
+            raise
+        self._entered.append((hooks, enclosing))
+        return self
+
+    def __exit__(self, *exc_info):
+        hooks, enclosing = self._entered.pop()
+        try:
             try:
-                yield
-            finally:
                 _C.forward_end()
-    finally:
+            finally:
+                hooks.__exit__(*exc_info)
+        finally:
+            self._leave(enclosing)
+        return False
+
+    @staticmethod
+    def _leave(enclosing):
+        global _open_blocks
         _open_blocks -= 1
         if enclosing is not None:
             _C.configure_offload(enclosing["policy"], enclosing["budget_bytes"],
@@ -211,13 +236,13 @@ def offload(policy=None, budget_bytes=None, min_bytes=None, prefetch_bytes=None)
                                  enclosing["prefetch_bytes"])
 
 
-def memory_stats(device=0):
+def memory_stats(device=None):
     """PyTorch's memory_stats keys, plus the offload engine's as 'spillway.<name>'."""
     _require_installed("memory_stats")
     return _C.memory_stats(_device_index(device))
 
 
-def reset_peak_stats(device=0):
+def reset_peak_stats(device=None):
     """Resets the peaks of memory_stats(device) to the current values (PyTorch's
     reset_peak_memory_stats)."""
     _require_installed("reset_peak_stats")
@@ -231,7 +256,7 @@ def empty_cache():
     _C.empty_cache()
 
 
-def set_per_process_memory_fraction(fraction, device=0):
+def set_per_process_memory_fraction(fraction, device=None):
     """Limits Spillway's reserved memory on `device` to this fraction of the device's total, as
     torch.cuda.set_per_process_memory_fraction does: 0 allows no new memory, 1 the whole device."""
     # numbers.Real: numpy's floats too (np.float32(0.5) was refused as "not in [0, 1]").
@@ -251,7 +276,7 @@ def synchronize():
     _C.synchronize()
 
 
-def budget_bytes(device=0):
+def budget_bytes(device=None):
     """The "auto" policy's budget on `device`, in bytes."""
     _require_installed("budget_bytes")
     index = _device_index(device)
@@ -279,7 +304,9 @@ def release(tensor, force=False):
     """Frees the storage's device memory now (the storage becomes 0 bytes) and reports who else
     held it: {'freed_bytes', 'other_holders', 'keepers'}. Refuses while tensors saved for
     backward still need the storage, unless force=True (backward then raises where it reads them,
-    naming the release). Other tensors on the storage point at no memory afterwards."""
+    naming the release), and a tensor that requires grad, unless force=True (Spillway cannot see
+    what autograd saved outside its hooks). Other tensors on the storage point at no memory
+    afterwards."""
     _check_tensor("release", tensor)
     force = _check_bool("force", force)
     _require_installed("release")
@@ -341,8 +368,10 @@ def pluggable_allocator():
 
 def _device_index(device):
     """The index of `device`: an int (numpy's too), a torch.device, or a string such as "cuda:1",
-    as torch.cuda's functions take it ("cuda" alone: the current device). On the simulated
-    device, whose tensors are CPU tensors, "cpu" names device 0 too."""
+    as torch.cuda's functions take it ("cuda" alone, or None: the current device). On the
+    simulated device, whose tensors are CPU tensors, "cpu" names device 0 too."""
+    if device is None:
+        device = "cuda"
     if isinstance(device, str):
         try:
             device = torch.device(device)

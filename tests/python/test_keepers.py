@@ -85,6 +85,21 @@ def test_release_refuses_a_storage_saved_for_backward():
     assert torch.equal(x.grad, x.detach().exp())
 
 
+def test_release_refuses_a_tensor_that_requires_grad():
+    """User review: release(y) of an output that autograd saved outside Spillway's hooks crashed
+    the process at backward; a parameter released broke the next forward."""
+    w = torch.randn(256, 256, requires_grad=True)
+    y = (torch.randn(256, 256) @ w).tanh()  # tanh saves y, outside any offload block
+    loss = y.sum()
+    for t in (y, w):
+        with pytest.raises(ValueError, match="requires grad"):
+            spillway.release(t)
+    loss.backward()  # untouched
+    assert w.grad is not None and torch.isfinite(w.grad).all()
+    t = torch.randn(64, requires_grad=True)
+    assert spillway.release(t, force=True)["freed_bytes"] == 64 * 4
+
+
 def test_backward_after_a_forced_release_fails_clearly():
     """release(force=True) frees what backward needs: its unpack must fail, naming the release,
     not read freed (or freshly allocated) memory. (The spilled case is in the engine's tests: a

@@ -38,8 +38,32 @@ def test_install_checks_its_arguments(kwargs, message):
 ])
 def test_offload_checks_its_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        with spillway.offload(**kwargs):
-            pass
+        spillway.offload(**kwargs)  # when the block is made, not when it is entered
+
+
+def test_one_offload_block_serves_every_step_nested_and_as_a_decorator():
+    """User review: offload() was a one-shot generator context manager (a second `with` on the same
+    object raised AttributeError), unlike save_on_cpu and torchtune's OffloadActivations."""
+    block = spillway.offload("eager", min_bytes=0)
+    w = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(64, 256)
+    reference = torch.autograd.grad((x @ w).tanh().sum(), w)[0]
+    spills = spillway.memory_stats()["spillway.num_spills"]
+    for _ in range(2):
+        with block:
+            loss = (x @ w).tanh().sum()
+        assert torch.equal(torch.autograd.grad(loss, w)[0], reference)
+    with block:
+        with block:  # the same object, nested
+            loss = (x @ w).tanh().sum()
+    assert torch.equal(torch.autograd.grad(loss, w)[0], reference)
+
+    @block
+    def forward():
+        return (x @ w).tanh().sum()
+
+    assert torch.equal(torch.autograd.grad(forward(), w)[0], reference)
+    assert spillway.memory_stats()["spillway.num_spills"] >= spills + 4
 
 
 def test_memory_stats_has_pytorch_and_spillway_keys():
@@ -81,8 +105,9 @@ def test_numpy_integers_and_device_strings_are_taken_as_torch_takes_them():
     assert (config["min_bytes"], config["prefetch_bytes"], config["budget_bytes"]) == \
         (1 << 20, 1 << 22, 1 << 26)
     expected = spillway.memory_stats(0)["num_device_alloc"]
-    for device in ("cuda:0", "cuda", torch.device("cuda", 0), np.int64(0), "cpu"):
+    for device in ("cuda:0", "cuda", torch.device("cuda", 0), np.int64(0), "cpu", None):
         assert spillway.memory_stats(device)["num_device_alloc"] == expected, device
+        spillway.reset_peak_stats(device)
     with pytest.raises(ValueError, match="'gpu:x' is not a device string"):
         spillway.memory_stats("gpu:x")
     with pytest.raises(ValueError, match="'meta' is not one Spillway serves"):
