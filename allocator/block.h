@@ -30,10 +30,17 @@ namespace spillway {
 using BlockId = uint32_t;
 inline constexpr BlockId kNoBlock = 0;
 
+// A stream of another device that used a block (record_stream with another device's stream).
+struct ForeignStreamUse {
+  int device = 0;
+  StreamRef stream;
+};
+
 // What only some blocks need, kept out of line: streams recorded by record_stream, the events
 // still pending for them after a free, and the trace context gathered when history is on.
 struct BlockExtras {
-  absl::InlinedVector<StreamRef, 1> stream_uses;
+  absl::InlinedVector<StreamRef, 1> stream_uses;  // streams of the block's own device
+  std::vector<ForeignStreamUse> foreign_uses;     // rare: no room taken until used
   TraceContext context;
   int32_t event_count = 0;  // stream-use events still pending after a free
 };
@@ -229,6 +236,7 @@ class BlockArena {
     if (has_extras) {
       BlockExtras& extras = *extras_[id];
       extras.stream_uses.clear();
+      extras.foreign_uses.clear();
       extras.context.reset();
       extras.event_count = 0;
     }
@@ -252,7 +260,7 @@ class BlockArena {
   }
   bool has_stream_uses(BlockId id) const {
     const BlockExtras* e = extras(id);
-    return e != nullptr && !e->stream_uses.empty();
+    return e != nullptr && (!e->stream_uses.empty() || !e->foreign_uses.empty());
   }
   // Host memory per id: the block, its extras pointer and its place in the free list.
   static constexpr size_t kBytesPerId = sizeof(Block) + sizeof(void*) + sizeof(BlockId);

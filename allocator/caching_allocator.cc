@@ -134,7 +134,22 @@ void CachingAllocator::Free(void* ptr) {
 }
 
 void CachingAllocator::RecordStream(void* ptr, StreamRef stream) {
-  if (FindOwner([&](DeviceAllocator& device) { return device.RecordStream(ptr, stream); })) return;
+  if (FindOwner([&](DeviceAllocator& device) {
+        return device.RecordStream(ptr, stream, device.device());
+      })) {
+    return;
+  }
+  throw InvalidArgumentError(absl::StrFormat(
+      "record_stream: %p is not a live allocation of Spillway (freed already, or foreign)", ptr));
+}
+
+void CachingAllocator::RecordStream(void* ptr, StreamRef stream, int stream_device) {
+  At(stream_device);  // a bad index is the caller's error, named as such
+  if (FindOwner([&](DeviceAllocator& device) {
+        return device.RecordStream(ptr, stream, stream_device);
+      })) {
+    return;
+  }
   throw InvalidArgumentError(absl::StrFormat(
       "record_stream: %p is not a live allocation of Spillway (freed already, or foreign)", ptr));
 }

@@ -40,7 +40,12 @@ class CachingAllocator {
   // allocation (foreign pointer, double free, interior pointer).
   void Free(void* ptr);
   void Free(void* ptr, int device);  // faster when the caller knows the device
+  // Marks `ptr` as used by `stream`: its reuse after a free waits for the work enqueued there up
+  // to the free. `stream` is a stream of the block's own device, or of `stream_device` (as
+  // PyTorch's record_stream allows; the free then waits for it on the host). Throws
+  // InvalidArgumentError for a pointer that is not a live allocation or a bad device index.
   void RecordStream(void* ptr, StreamRef stream);
+  void RecordStream(void* ptr, StreamRef stream, int stream_device);
   std::optional<AllocationInfo> Lookup(const void* ptr) const;
   // The segment containing `ptr` on any device (PyTorch's getBaseAllocation), or null.
   std::optional<SegmentRange> SegmentOf(const void* ptr) const;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "allocator/errors.h"
@@ -353,6 +354,14 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
   BlockExtras& extras = arena_.mutable_extras(id);
   absl::InlinedVector<StreamRef, 1> uses;
   uses.swap(extras.stream_uses);
+  std::vector<ForeignStreamUse> foreign;
+  foreign.swap(extras.foreign_uses);
+  // Streams of other devices: no event of this device can be recorded there, and events of
+  // theirs would need bookkeeping of their own for a rare case; a host wait covers what they
+  // enqueued up to now, as an event would.
+  for (const ForeignStreamUse& use : foreign) {
+    if (!WaitOnHost(use.device, use.stream)) AddPendingEvent(id);  // quarantined, as below
+  }
   for (const StreamRef& use : uses) {
     EventHandle event = nullptr;
     try {
@@ -363,8 +372,8 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
       if (event != nullptr) spare_events_.push_back(event);
       // The record may have failed because earlier work on that stream failed (a backend
       // reports that once, to whoever looks): the stream's owner must hear of it.
-      if (error.earlier_work()) NoteStreamError(use.id, error);
-      if (WaitOnHost(use)) continue;
+      if (error.earlier_work()) NoteStreamError(device_, use.id, error);
+      if (WaitOnHost(device_, use)) continue;
       AddPendingEvent(id);  // quarantined: the stream cannot be waited for, the block never reused
       continue;
     }
@@ -375,14 +384,14 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
   return true;
 }
 
-bool DeviceAllocator::WaitOnHost(const StreamRef& use) {
+bool DeviceAllocator::WaitOnHost(int device, const StreamRef& use) {
   try {
-    backend_.synchronize_stream(device_, use.handle);
+    backend_.synchronize_stream(device, use.handle);
     return true;
   } catch (const BackendError& error) {
     // Either way the stream's owner hears of it. An earlier failure is reported (once) after
     // draining: the stream has passed the free. Otherwise the wait itself failed.
-    NoteStreamError(use.id, error);
+    NoteStreamError(device, use.id, error);
     return error.earlier_work();
   }
 }
@@ -489,10 +498,18 @@ void DeviceAllocator::GarbageCollect(size_t incoming) {
   }
 }
 
-bool DeviceAllocator::RecordStream(void* ptr, StreamRef stream) {
+bool DeviceAllocator::RecordStream(void* ptr, StreamRef stream, int stream_device) {
   std::lock_guard lock(mutex_);
   const BlockId id = allocated_.Find(reinterpret_cast<uintptr_t>(ptr), AddressOf());
   if (id == kNoBlock) return false;
+  if (stream_device != device_) {
+    auto& foreign = arena_.mutable_extras(id).foreign_uses;
+    const bool known = std::any_of(foreign.begin(), foreign.end(), [&](const ForeignStreamUse& u) {
+      return u.device == stream_device && u.stream.id == stream.id;
+    });
+    if (!known) foreign.push_back(ForeignStreamUse{stream_device, stream});
+    return true;
+  }
   if (stream.id == streams_.id(arena_[id].stream)) return true;
   auto& uses = arena_.mutable_extras(id).stream_uses;
   for (const StreamRef& use : uses) {

@@ -84,9 +84,11 @@ class DeviceAllocator {
   size_t RoundSize(size_t size) const { return policy_.RoundSize(size); }
   // Returns false (and changes nothing) when `ptr` is not a live allocation of this device.
   bool Free(void* ptr, TraceContext context);
-  // Marks `ptr` as used by `stream`: when freed it is reused only after work enqueued on `stream`
-  // up to the free has completed. Returns false when `ptr` is not a live allocation here.
-  bool RecordStream(void* ptr, StreamRef stream);
+  // Marks `ptr` as used by `stream`, a stream of `stream_device`: when freed it is reused only
+  // after work enqueued on `stream` up to the free has completed (polled through an event; for a
+  // stream of another device, the free waits for it on the host). Returns false when `ptr` is not
+  // a live allocation here.
+  bool RecordStream(void* ptr, StreamRef stream, int stream_device);
   std::optional<AllocationInfo> Lookup(const void* ptr) const;
   // The segment (one backend allocation) that contains `ptr`, live or free: for PyTorch's
   // getBaseAllocation. Null when no segment of this device contains it.
@@ -196,11 +198,12 @@ class DeviceAllocator {
   // Whether the work behind `event` (a stream use on `stream`) is over. A failed copy is over
   // too: the error is kept for the stream's owner and the block becomes reusable.
   bool UseIsOver(uint64_t stream, EventHandle event, bool wait);
-  // Free's fallback when no event can be recorded for a stream use: waits for `use` on the host.
-  // False when even that fails (the block must then never be reused).
-  bool WaitOnHost(const StreamRef& use);
-  // Keeps a failure of work on `stream` for its owner (TakeStreamErrors).
-  void NoteStreamError(uint64_t stream, const BackendError& error);
+  // Waits on the host for `use`, a stream of `device`: Free's way with streams of other devices,
+  // and its fallback when no event can be recorded. False when even that fails (the block must
+  // then never be reused).
+  bool WaitOnHost(int device, const StreamRef& use);
+  // Keeps a failure of work on `stream` (of `device`) for its owner (TakeStreamErrors).
+  void NoteStreamError(int device, uint64_t stream, const BackendError& error);
   void Trace(TraceAction action, uintptr_t addr, size_t size, uint64_t stream,
              TraceContext context);
   // Trace of a block: its stream's id is looked up only when history is on.

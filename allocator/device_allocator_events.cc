@@ -131,7 +131,7 @@ bool DeviceAllocator::UseIsOver(uint64_t stream, EventHandle event, bool wait) {
       }
       return backend_.query_event(device_, event);
     } catch (const BackendError& error) {
-      NoteStreamError(stream, error);
+      NoteStreamError(device_, stream, error);
       // Not an earlier copy's (CUDA's failures are sticky: nothing on the stream runs any more).
       if (wait || !error.earlier_work()) return true;
       if (poll == kMaxPolls) return false;  // failures still coming: the next poll looks again
@@ -139,8 +139,8 @@ bool DeviceAllocator::UseIsOver(uint64_t stream, EventHandle event, bool wait) {
   }
 }
 
-void DeviceAllocator::NoteStreamError(uint64_t stream, const BackendError& error) {
-  stream_errors_.push_back(StreamError{device_, stream, error.what()});
+void DeviceAllocator::NoteStreamError(int device, uint64_t stream, const BackendError& error) {
+  stream_errors_.push_back(StreamError{device, stream, error.what()});
   has_stream_errors_.store(true, std::memory_order_relaxed);
 }
 

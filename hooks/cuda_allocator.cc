@@ -197,9 +197,11 @@ class SpillwayCudaAllocator final : public Base {
   void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream) {
     // Like PyTorch's: storages not allocated here (null, or another allocator's) are ignored.
     if (ptr.get() == nullptr || ptr.get_deleter() != &RawDeleteFn) return;
+    // The stream may be another device's, as PyTorch allows (its free then waits on the host).
     Guard([&] {
       alloc_.RecordStream(ptr.get(),
-                          alloc_.backend().resolve_stream(stream.device_index(), stream.stream()));
+                          alloc_.backend().resolve_stream(stream.device_index(), stream.stream()),
+                          stream.device_index());
     });
   }
 

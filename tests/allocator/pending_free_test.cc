@@ -2,6 +2,7 @@
 // stays active_pending_free until event processing releases it, and when the event cannot be
 // created or recorded the free falls back to waiting on the host instead of losing the block or
 // reusing it early. The randomized differential test covers the same states at random.
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <memory>
@@ -193,6 +194,39 @@ TEST(PendingFreeTest, AHostWaitThatHearsAnEarlierFailureStillFrees) {
   alloc.Free(p);
   alloc.EmptyCache();
   EXPECT_EQ(backend->bytes_in_use(0), 0u);
+}
+
+// record_stream with a stream of another device, as PyTorch allows: the free must wait for that
+// stream (here device 1's default stream, held busy). Recorded as one of the block's own device,
+// the null handle named device 0's default stream, idle, and the block was reused at once.
+TEST(PendingFreeTest, AStreamOfAnotherDeviceHoldsTheFreeBack) {
+  SimBackend::Options options = JitterOptions(0us);
+  options.devices = 2;
+  auto backend = std::make_shared<SimBackend>(options);
+  CachingAllocator alloc(backend, AllocatorConfig{});
+  int errors = 0;
+  alloc.SetStreamErrorObserver([&](const StreamError&) { ++errors; });
+  const StreamRef a = backend->default_stream(0);
+  const StreamRef other = backend->default_stream(1);
+  void* p = alloc.Malloc(4096, 0, a);
+  EXPECT_THROW(alloc.RecordStream(p, other, 2), InvalidArgumentError);
+  auto hold = backend->hold_stream(1, other.handle);
+  alloc.RecordStream(p, other, 1);
+  alloc.RecordStream(p, other, 1);  // once is enough
+  std::atomic<bool> opened{false};
+  std::thread opener([&] {
+    std::this_thread::sleep_for(100ms);
+    opened = true;
+    hold->Open();
+  });
+  alloc.Free(p);
+  EXPECT_TRUE(opened) << "the free did not wait for the other device's stream";
+  opener.join();
+  ExpectFreedAtOnce(alloc);
+  EXPECT_EQ(alloc.Malloc(4096, 0, a), p) << "the freed block was lost";
+  alloc.Free(p);  // a new allocation of the block: the old use is gone, nothing waits
+  ExpectFreedAtOnce(alloc);
+  EXPECT_EQ(errors, 0);
 }
 
 // A simulated device whose next device_free fails.
