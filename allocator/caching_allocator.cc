@@ -66,12 +66,14 @@ void* CachingAllocator::Malloc(size_t size, int device, StreamRef stream) {
   if (ptr != nullptr) return ptr;
   // Over the watermark: the handler (the offload engine) makes room before the allocation is
   // made, so allocated bytes stay under the budget rather than pass it and come back down.
-  PressureHandler handler;
+  std::shared_ptr<RegisteredCallback<PressureHandler>> handler;
   {
     std::lock_guard lock(pressure_mutex_);
     handler = pressure_handler_;
   }
-  if (handler) handler(device, allocator.RoundSize(size));
+  if (const CallbackGuard::Call call(callback_guard_, handler.get()); call) {
+    handler->fn(device, allocator.RoundSize(size));
+  }
   return MallocOn(allocator, size, stream, context, /*watermark_first=*/false);
 }
 
@@ -89,8 +91,13 @@ void* CachingAllocator::MallocOn(DeviceAllocator& allocator, size_t size, Stream
 }
 
 void CachingAllocator::SetPressureHandler(PressureHandler handler) {
-  std::lock_guard lock(pressure_mutex_);
-  pressure_handler_ = std::move(handler);
+  auto fresh = Register(std::move(handler));
+  std::shared_ptr<RegisteredCallback<PressureHandler>> old;
+  {
+    std::lock_guard lock(pressure_mutex_);
+    old = std::exchange(pressure_handler_, std::move(fresh));
+  }
+  if (old != nullptr) callback_guard_.Remove(old.get());
 }
 
 void CachingAllocator::SetWatermark(int device, size_t bytes) { At(device).SetWatermark(bytes); }
@@ -134,19 +141,18 @@ void CachingAllocator::Free(void* ptr) {
 }
 
 void CachingAllocator::RecordStream(void* ptr, StreamRef stream) {
-  if (FindOwner([&](DeviceAllocator& device) {
-        return device.RecordStream(ptr, stream, device.device());
-      })) {
-    return;
-  }
-  throw InvalidArgumentError(absl::StrFormat(
-      "record_stream: %p is not a live allocation of Spillway (freed already, or foreign)", ptr));
+  RecordStreamOf(ptr, stream, std::nullopt);
 }
 
 void CachingAllocator::RecordStream(void* ptr, StreamRef stream, int stream_device) {
   At(stream_device);  // a bad index is the caller's error, named as such
+  RecordStreamOf(ptr, stream, stream_device);
+}
+
+void CachingAllocator::RecordStreamOf(void* ptr, StreamRef stream,
+                                      std::optional<int> stream_device) {
   if (FindOwner([&](DeviceAllocator& device) {
-        return device.RecordStream(ptr, stream, stream_device);
+        return device.RecordStream(ptr, stream, stream_device.value_or(device.device()));
       })) {
     return;
   }
@@ -168,19 +174,25 @@ void CachingAllocator::EmptyCache() {
 }
 
 void CachingAllocator::SetStreamErrorObserver(StreamErrorObserver observer) {
-  std::lock_guard lock(observer_mutex_);
-  stream_error_observer_ = std::move(observer);
+  auto fresh = Register(std::move(observer));
+  std::shared_ptr<RegisteredCallback<StreamErrorObserver>> old;
+  {
+    std::lock_guard lock(observer_mutex_);
+    old = std::exchange(stream_error_observer_, std::move(fresh));
+  }
+  if (old != nullptr) callback_guard_.Remove(old.get());
 }
 
 void CachingAllocator::DispatchStreamErrors(DeviceAllocator& device) {
   const std::vector<StreamError> errors = device.TakeStreamErrors();
-  StreamErrorObserver observer;
+  std::shared_ptr<RegisteredCallback<StreamErrorObserver>> observer;
   {
     std::lock_guard lock(observer_mutex_);
     observer = stream_error_observer_;
   }
-  if (!observer) return;
-  for (const StreamError& error : errors) observer(error);
+  const CallbackGuard::Call call(callback_guard_, observer.get());
+  if (!call) return;
+  for (const StreamError& error : errors) observer->fn(error);
 }
 
 void CachingAllocator::SetMemoryFraction(double fraction, int device) {
@@ -251,22 +263,36 @@ Snapshot CachingAllocator::TakeSnapshot() const {
 
 uint64_t CachingAllocator::AddFreeMemoryCallback(FreeMemoryCallback callback) {
   if (!callback) throw InvalidArgumentError("AddFreeMemoryCallback: the callback is empty");
+  auto registered = Register(std::move(callback));
   std::lock_guard lock(callbacks_mutex_);
   const uint64_t id = next_callback_id_++;
-  callbacks_.emplace(id, std::move(callback));
+  callbacks_.emplace(id, std::move(registered));
   return id;
 }
 
 void CachingAllocator::RemoveFreeMemoryCallback(uint64_t id) {
-  std::lock_guard lock(callbacks_mutex_);
-  callbacks_.erase(id);
+  std::shared_ptr<RegisteredCallback<FreeMemoryCallback>> removed;
+  {
+    std::lock_guard lock(callbacks_mutex_);
+    const auto it = callbacks_.find(id);
+    if (it == callbacks_.end()) return;
+    removed = std::move(it->second);
+    callbacks_.erase(it);
+  }
+  callback_guard_.Remove(removed.get());
 }
 
 std::vector<FreeMemoryCallback> CachingAllocator::Callbacks() const {
   std::lock_guard lock(callbacks_mutex_);
   std::vector<FreeMemoryCallback> out;
   out.reserve(callbacks_.size());
-  for (const auto& [id, callback] : callbacks_) out.push_back(callback);
+  for (const auto& entry : callbacks_) {
+    // Checked when called, not now: the caller calls them later, outside every lock.
+    out.emplace_back([this, registered = entry.second](int device, size_t bytes) -> size_t {
+      const CallbackGuard::Call call(callback_guard_, registered.get());
+      return call ? registered->fn(device, bytes) : 0;
+    });
+  }
   return out;
 }
 

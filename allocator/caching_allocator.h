@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "allocator/backend.h"
+#include "allocator/callback_guard.h"
 #include "allocator/config.h"
 #include "allocator/device_allocator.h"
 #include "allocator/snapshot.h"
@@ -84,6 +85,8 @@ class CachingAllocator {
   // returns, whatever it managed. The offload engine uses it to hold allocated bytes under its
   // budget. SIZE_MAX disables.
   using PressureHandler = std::function<void(int device, size_t incoming_bytes)>;
+  // Replacing or clearing the handler (or the observer below, or removing a free-memory callback)
+  // returns once no call of the old one is running on another thread, so its owner may go.
   void SetPressureHandler(PressureHandler handler);
   void SetWatermark(int device, size_t bytes);
   // A fraction in (0, 1] of the device's limit (total memory without one), resolved when the
@@ -148,16 +151,21 @@ class CachingAllocator {
   ContextGatherer gatherer_;
 
   void DispatchStreamErrors(DeviceAllocator& device);
+  // `stream` of `stream_device`, or of the block's own device when none is given.
+  void RecordStreamOf(void* ptr, StreamRef stream, std::optional<int> stream_device);
   void* MallocOn(DeviceAllocator& allocator, size_t size, StreamRef stream, TraceContext& context,
                  bool watermark_first);
+  // Every callback below is called through the guard: replacing or removing one returns only
+  // once no call of it is running (the engine's capture `this`).
+  mutable CallbackGuard callback_guard_;
   mutable std::mutex observer_mutex_;
-  StreamErrorObserver stream_error_observer_;
+  std::shared_ptr<RegisteredCallback<StreamErrorObserver>> stream_error_observer_;
 
   mutable std::mutex pressure_mutex_;
-  PressureHandler pressure_handler_;
+  std::shared_ptr<RegisteredCallback<PressureHandler>> pressure_handler_;
 
   mutable std::mutex callbacks_mutex_;
-  std::map<uint64_t, FreeMemoryCallback> callbacks_;
+  std::map<uint64_t, std::shared_ptr<RegisteredCallback<FreeMemoryCallback>>> callbacks_;
   uint64_t next_callback_id_ = 1;
 };
 

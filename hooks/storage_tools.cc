@@ -73,16 +73,6 @@ py::dict Release(const at::Tensor& tensor, bool force) {
         " tensor(s) saved for backward still keep this storage; releasing it would corrupt the "
         "backward pass. Pass force=True if they will never be read.");
   }
-  // Saves made outside Spillway's hooks are invisible to it, and backward then reads freed memory
-  // (a crash, not an error). A tensor in an autograd graph is the likely case: a parameter, or an
-  // output whose own node saved it.
-  if (tensor.requires_grad() && !force) {
-    throw InvalidArgumentError(
-        "spillway.release: the tensor requires grad (a parameter, or part of an autograd graph), "
-        "so backward or an optimizer may still read its storage, which Spillway cannot see unless "
-        "saved under its hooks; freed, that read would crash. Pass force=True to free it anyway, "
-        "or release a tensor that does not require grad.");
-  }
   const c10::Storage& storage = tensor.storage();
   // Memory of another allocator (torch.from_numpy, a tensor made before install), or a second
   // storage over Spillway's (torch.from_numpy(t.numpy()), DLPack): dropping the storage's hold
@@ -93,6 +83,16 @@ py::dict Release(const at::Tensor& tensor, bool force) {
         "(another allocator made it: torch.from_numpy, a tensor created before spillway.install, "
         "or a second storage over Spillway's memory: torch.from_numpy(t.numpy()), DLPack); "
         "release frees only storages that Spillway allocated");
+  }
+  // Saves made outside Spillway's hooks are invisible to it, and backward then reads freed memory
+  // (a crash, not an error). A tensor in an autograd graph is the likely case: a parameter, or an
+  // output whose own node saved it.
+  if (tensor.requires_grad() && !force) {
+    throw InvalidArgumentError(
+        "spillway.release: the tensor requires grad (a parameter, or part of an autograd graph), "
+        "so backward or an optimizer may still read its storage, which Spillway cannot see unless "
+        "saved under its hooks; freed, that read would crash. Pass force=True if nothing will "
+        "read it again.");
   }
   py::list keepers = Keepers(tensor);
   const int64_t ours = entry ? 1 : 0;

@@ -206,10 +206,16 @@ void OffloadEngine::MarkReleased(const void* key, const std::string& why) {
   e.failure = why;
 }
 
+bool OffloadEngine::EndPrefetch(Entry& e) {
+  if (!e.prefetched) return false;
+  Device(e.device).prefetched_bytes -= e.nbytes;
+  e.prefetched = false;
+  return true;
+}
+
 void OffloadEngine::DiscardCopies(Entry& e) {
   Refresh(e);
-  if (e.prefetched) Device(e.device).prefetched_bytes -= e.nbytes;
-  e.prefetched = false;
+  EndPrefetch(e);
   if (e.state == Residency::kSpilling || e.state == Residency::kSpilled) {
     stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
     Note(OffloadEvent::Kind::kDropSpilled, e);
@@ -444,9 +450,7 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
   // Acquired from here on, whatever the waits below do: an entry brought back is never spilled
   // by a policy again (PolicyMaySpill), and must not pass for one that was never used.
   e.acquired = true;
-  if (e.prefetched) {
-    Device(e.device).prefetched_bytes -= e.nbytes;
-    e.prefetched = false;
+  if (EndPrefetch(e)) {
     // Used now: the host copy kept for a give-back goes (if still copying, Refresh frees it).
     if (e.state == Residency::kResident) ReleaseHost(e, std::nullopt);
   }

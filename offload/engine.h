@@ -199,6 +199,8 @@ class OffloadEngine {
   // visit may spill, and a spill may run the rescue, which changes the candidates.
   template <typename Visit>
   void VisitSpillCandidates(uint64_t before_seq, Visit visit);
+  // Ends `e`'s being a prefetch (acquired, given back, failed or dropped); false if it was none.
+  bool EndPrefetch(Entry& e);
   void MarkFailed(Entry& e, const std::string& why);
   void FailInFlight(int device, Residency in_flight, const std::string& why);
   void OnStreamError(const StreamError& error);

@@ -17,10 +17,7 @@ void OffloadEngine::MarkFailed(Entry& e, const std::string& why) {
   }
   // No longer a prefetch: its bytes must not hold back further prefetches, nor its entry pass
   // for one (it is never acquired, so Acquire would not clear it).
-  if (e.prefetched) {
-    Device(e.device).prefetched_bytes -= e.nbytes;
-    e.prefetched = false;
-  }
+  EndPrefetch(e);
   if (e.spill_done != nullptr) {
     Device(e.device).spare.push_back(e.spill_done);  // nothing waits on it any more
     e.spill_done = nullptr;

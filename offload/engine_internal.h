@@ -1,5 +1,6 @@
 // Internals of OffloadEngine shared by its source files (engine.cc: residency and copies;
-// engine_policy.cc: policies, prefetch, rescue; engine_info.cc: statistics and descriptions).
+// engine_failures.cc: copy failures; engine_policy.cc: policies, prefetch, rescue; engine_info.cc:
+// statistics and descriptions).
 // Not part of the engine's interface.
 #pragma once
 

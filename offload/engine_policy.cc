@@ -181,8 +181,7 @@ size_t OffloadEngine::GiveBackPrefetches(int device, size_t target_allocated) {
     // The copy is done and nothing else used the block: it may be reused at once.
     e.storage->drop_device_memory();
     e.state = Residency::kSpilled;
-    e.prefetched = false;
-    Device(e.device).prefetched_bytes -= e.nbytes;
+    EndPrefetch(e);
     offloaded_[e.seq] = &e;
     stats_.spilled_bytes.Increase(static_cast<int64_t>(e.nbytes));
     Note(OffloadEvent::Kind::kPrefetchGivenBack, e);

@@ -169,8 +169,8 @@ class offload(contextlib.ContextDecorator):
         the newest prefetch_bytes of saves, reloads in use) can carry the peak past it.
     min_bytes: storages smaller than this are never spilled; default from the configuration
         (`offload_min_kb`, 1 MiB).
-    prefetch_bytes: how far ahead backward reloads (whole saves: the next one even when it alone
-        is larger; 0: no prefetch); default from the configuration (256 MiB). A prefetch is a
+    prefetch_bytes: how far ahead backward reloads, per device (whole saves: the next one even
+        when it alone is larger; 0: no prefetch); default from the configuration (256 MiB). A prefetch is a
         guess: an allocation that would fail otherwise takes back the ones not used yet.
 
     Blocks nest: each saved tensor keeps the "off" and the min_bytes of the block it was saved in
@@ -190,7 +190,9 @@ class offload(contextlib.ContextDecorator):
         self._budget_bytes = _check_bytes("budget_bytes", budget_bytes, positive=True)
         self._min_bytes = _check_bytes("min_bytes", min_bytes)
         self._prefetch_bytes = _check_bytes("prefetch_bytes", prefetch_bytes)
-        self._entered = []  # per open entry: its saved-tensor hooks and the settings it replaced
+        # Per thread (a decorated forward may run on several), per open entry: its saved-tensor
+        # hooks and the settings it replaced.
+        self._local = threading.local()
 
     def __enter__(self):
         global _open_blocks
@@ -212,11 +214,11 @@ class offload(contextlib.ContextDecorator):
         except BaseException:
             self._leave(enclosing)
             raise
-        self._entered.append((hooks, enclosing))
+        self._entered().append((hooks, enclosing))
         return self
 
     def __exit__(self, *exc_info):
-        hooks, enclosing = self._entered.pop()
+        hooks, enclosing = self._entered().pop()
         try:
             try:
                 _C.forward_end()
@@ -225,6 +227,11 @@ class offload(contextlib.ContextDecorator):
         finally:
             self._leave(enclosing)
         return False
+
+    def _entered(self):
+        if not hasattr(self._local, "entries"):
+            self._local.entries = []
+        return self._local.entries
 
     @staticmethod
     def _leave(enclosing):

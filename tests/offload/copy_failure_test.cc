@@ -209,10 +209,7 @@ TEST_F(OffloadCopyFailure, OffloadTheProgramsFailedCopyIsNotBlamedOnSpills) {
   const StreamRef side = backend_->create_stream(0);
   std::shared_ptr<TestStorage> x = NewStorage(2 * kMiB, 79);
   std::shared_ptr<TestStorage> y = NewStorage(2 * kMiB, 80);
-  ViewInfo view;
-  view.sizes = {static_cast<int64_t>(x->nbytes() / 4)};
-  view.strides = {1};
-  view.element_size = 4;
+  const ViewInfo view = FloatView(x->nbytes());
   auto hold = backend_->hold_stream(0, side.handle);
   x->holders = 0;
   const KeeperId idx = engine_

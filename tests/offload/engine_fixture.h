@@ -25,6 +25,15 @@ inline constexpr size_t kMiB = size_t{1} << 20;
 // A storage whose "other holders" the test controls; the forward pass holds it at first.
 using TestStorage = AllocatorStorage;
 
+// A whole storage of `nbytes` seen as one contiguous float vector.
+inline ViewInfo FloatView(size_t nbytes) {
+  ViewInfo view;
+  view.sizes = {static_cast<int64_t>(nbytes / 4)};
+  view.strides = {1};
+  view.element_size = 4;
+  return view;
+}
+
 class OffloadEngineTest : public ::testing::Test {
  protected:
   void SetUp() override { Make(OffloadConfig{}, size_t{256} << 20, std::chrono::microseconds{0}); }
@@ -80,11 +89,8 @@ class OffloadEngineTest : public ::testing::Test {
   }
 
   KeeperId Save(const std::shared_ptr<TestStorage>& s, int64_t offset = 0) {
-    ViewInfo view;
+    ViewInfo view = FloatView(s->nbytes());
     view.offset = offset;
-    view.sizes = {static_cast<int64_t>(s->nbytes() / 4)};
-    view.strides = {1};
-    view.element_size = 4;
     auto id = engine_->AddKeeper(
         s.get(), [&] { return s; }, view, compute_);
     EXPECT_TRUE(id.has_value());

@@ -249,13 +249,9 @@ class OffloadTwoDevices : public ::testing::Test {
   // A 2 MiB storage on `device`, saved there (its program holds it no more).
   std::shared_ptr<AllocatorStorage> Save(int device) {
     auto s = std::make_shared<AllocatorStorage>(*allocator_, 2 * kMiB, On(device), 0, device);
-    ViewInfo view;
-    view.sizes = {static_cast<int64_t>(s->nbytes() / 4)};
-    view.strides = {1};
-    view.element_size = 4;
     ids_.push_back(engine_
                        ->AddKeeper(
-                           s.get(), [&] { return s; }, view, On(device))
+                           s.get(), [&] { return s; }, FloatView(s->nbytes()), On(device))
                        .value());
     ids_of_[s.get()] = ids_.back();
     return s;

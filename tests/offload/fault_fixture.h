@@ -57,8 +57,8 @@ class OffloadFaultInjection : public OffloadEngineTest {
 
   static constexpr uint8_t kFill = 0x5A;
 
-  // Runs `call` with the next copy the simulated device runs made to fail (disarmed after the
-  // call, however it ends; a copy it enqueues that runs later is still the one that fails).
+  // Runs `call` with the next copy enqueued on the simulated device made to fail when it runs
+  // (disarmed after the call, however it ends: the countdown counts copies as they are enqueued).
   template <typename Call>
   void WithNextCopyFailing(Call call) {
     struct Disarm {

@@ -22,6 +22,17 @@ def sim_device():
 
 
 @pytest.fixture(autouse=True)
+def offload_settings_restored():
+    """The outermost offload block's settings stay in force after it (for backward): each test
+    starts from the settings the one before it found."""
+    before = spillway._C.offload_config()
+    yield
+    spillway._C.configure_offload(before["policy"], before["budget_bytes"],
+                                  before["budget_fraction"], before["min_bytes"],
+                                  before["prefetch_bytes"])
+
+
+@pytest.fixture(autouse=True)
 def deterministic():
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
