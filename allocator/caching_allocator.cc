@@ -66,11 +66,7 @@ void* CachingAllocator::Malloc(size_t size, int device, StreamRef stream) {
   if (ptr != nullptr) return ptr;
   // Over the watermark: the handler (the offload engine) makes room before the allocation is
   // made, so allocated bytes stay under the budget rather than pass it and come back down.
-  std::shared_ptr<RegisteredCallback<PressureHandler>> handler;
-  {
-    std::lock_guard lock(pressure_mutex_);
-    handler = pressure_handler_;
-  }
+  const auto handler = pressure_handler_.Get();
   if (const CallbackGuard::Call call(callback_guard_, handler.get()); call) {
     handler->fn(device, allocator.RoundSize(size));
   }
@@ -91,13 +87,7 @@ void* CachingAllocator::MallocOn(DeviceAllocator& allocator, size_t size, Stream
 }
 
 void CachingAllocator::SetPressureHandler(PressureHandler handler) {
-  auto fresh = Register(std::move(handler));
-  std::shared_ptr<RegisteredCallback<PressureHandler>> old;
-  {
-    std::lock_guard lock(pressure_mutex_);
-    old = std::exchange(pressure_handler_, std::move(fresh));
-  }
-  if (old != nullptr) callback_guard_.Remove(old.get());
+  pressure_handler_.Set(callback_guard_, std::move(handler));
 }
 
 void CachingAllocator::SetWatermark(int device, size_t bytes) { At(device).SetWatermark(bytes); }
@@ -174,22 +164,12 @@ void CachingAllocator::EmptyCache() {
 }
 
 void CachingAllocator::SetStreamErrorObserver(StreamErrorObserver observer) {
-  auto fresh = Register(std::move(observer));
-  std::shared_ptr<RegisteredCallback<StreamErrorObserver>> old;
-  {
-    std::lock_guard lock(observer_mutex_);
-    old = std::exchange(stream_error_observer_, std::move(fresh));
-  }
-  if (old != nullptr) callback_guard_.Remove(old.get());
+  stream_error_observer_.Set(callback_guard_, std::move(observer));
 }
 
 void CachingAllocator::DispatchStreamErrors(DeviceAllocator& device) {
   const std::vector<StreamError> errors = device.TakeStreamErrors();
-  std::shared_ptr<RegisteredCallback<StreamErrorObserver>> observer;
-  {
-    std::lock_guard lock(observer_mutex_);
-    observer = stream_error_observer_;
-  }
+  const auto observer = stream_error_observer_.Get();
   const CallbackGuard::Call call(callback_guard_, observer.get());
   if (!call) return;
   for (const StreamError& error : errors) observer->fn(error);

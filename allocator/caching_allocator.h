@@ -158,11 +158,8 @@ class CachingAllocator {
   // Every callback below is called through the guard: replacing or removing one returns only
   // once no call of it is running (the engine's capture `this`).
   mutable CallbackGuard callback_guard_;
-  mutable std::mutex observer_mutex_;
-  std::shared_ptr<RegisteredCallback<StreamErrorObserver>> stream_error_observer_;
-
-  mutable std::mutex pressure_mutex_;
-  std::shared_ptr<RegisteredCallback<PressureHandler>> pressure_handler_;
+  CallbackCell<StreamErrorObserver> stream_error_observer_;
+  CallbackCell<PressureHandler> pressure_handler_;
 
   mutable std::mutex callbacks_mutex_;
   std::map<uint64_t, std::shared_ptr<RegisteredCallback<FreeMemoryCallback>>> callbacks_;

@@ -56,4 +56,32 @@ class CallbackGuard {
   int in_flight_ = 0;
 };
 
+// One replaceable callback (the pressure handler, the stream-error observer): callers take the
+// current one with Get() and call it inside a CallbackGuard::Call.
+template <typename Fn>
+class CallbackCell {
+ public:
+  using Registered = std::shared_ptr<RegisteredCallback<Fn>>;
+
+  // Puts `fn` (empty: none) in the cell; returns once no call of the callback it replaced runs.
+  void Set(CallbackGuard& guard, Fn fn) {
+    Registered fresh = Register(std::move(fn));
+    Registered old;
+    {
+      const std::lock_guard lock(mutex_);
+      old = std::exchange(value_, std::move(fresh));
+    }
+    if (old != nullptr) guard.Remove(old.get());
+  }
+
+  Registered Get() const {
+    const std::lock_guard lock(mutex_);
+    return value_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  Registered value_;
+};
+
 }  // namespace spillway

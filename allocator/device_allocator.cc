@@ -359,8 +359,9 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
   // Streams of other devices: no event of this device can be recorded there, and events of
   // theirs would need bookkeeping of their own for a rare case; a host wait covers what they
   // enqueued up to now, as an event would.
+  bool quarantine = false;  // some stream cannot be waited for: the block is never reused
   for (const ForeignStreamUse& use : foreign) {
-    if (!WaitOnHost(use.device, use.stream)) AddPendingEvent(id);  // quarantined, as below
+    if (!WaitOnHost(use.device, use.stream)) quarantine = true;
   }
   for (const StreamRef& use : uses) {
     EventHandle event = nullptr;
@@ -373,12 +374,17 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
       // The record may have failed because earlier work on that stream failed (a backend
       // reports that once, to whoever looks): the stream's owner must hear of it.
       if (error.earlier_work()) NoteStreamError(device_, use.id, error);
-      if (WaitOnHost(device_, use)) continue;
-      AddPendingEvent(id);  // quarantined: the stream cannot be waited for, the block never reused
+      if (!WaitOnHost(device_, use)) quarantine = true;
       continue;
     }
     pending_[use.id].push_back(Pending{event, id});
     AddPendingEvent(id);
+  }
+  if (quarantine) {
+    // A pending event that never completes: the block stays active_pending_free for good.
+    AddPendingEvent(id);
+    ++stats_.quarantined_blocks;
+    stats_.quarantined_bytes += static_cast<int64_t>(block.size());
   }
   if (!block.pending) FreeBlock(id);
   return true;

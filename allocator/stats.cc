@@ -62,6 +62,8 @@ std::map<std::string, int64_t> FlattenStats(const DeviceStats& s, size_t max_spl
   out["num_sync_all_streams"] = s.num_sync_all_streams;
   out["num_device_alloc"] = s.num_device_alloc;
   out["num_device_free"] = s.num_device_free;
+  out["spillway.quarantined_blocks"] = s.quarantined_blocks;
+  out["spillway.quarantined_bytes"] = s.quarantined_bytes;
   return out;
 }
 

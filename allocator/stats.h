@@ -67,6 +67,10 @@ struct DeviceStats {
   int64_t num_sync_all_streams = 0;
   int64_t num_device_alloc = 0;
   int64_t num_device_free = 0;
+  // Freed blocks never reused because a stream that used them could not be waited for (its
+  // failure went to the stream-error observer). Current values: a reset leaves them.
+  int64_t quarantined_blocks = 0;
+  int64_t quarantined_bytes = 0;
 
   void ResetAccumulated();
   void ResetPeak();
@@ -74,7 +78,8 @@ struct DeviceStats {
 
 // Flattens to the keys of `torch.cuda.memory_stats()`: "allocated_bytes.all.current",
 // "segment.small_pool.peak", ..., "oversize_allocations.current", ..., "num_ooms", ...,
-// "max_split_size" (the configured value; -1 when unlimited, as PyTorch reports SIZE_MAX).
+// "max_split_size" (the configured value; -1 when unlimited, as PyTorch reports SIZE_MAX), and
+// Spillway's "spillway.quarantined_blocks" / "spillway.quarantined_bytes".
 std::map<std::string, int64_t> FlattenStats(const DeviceStats& stats, size_t max_split_size);
 
 }  // namespace spillway

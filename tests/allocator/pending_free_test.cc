@@ -32,6 +32,23 @@ void ExpectFreedAtOnce(const CachingAllocator& alloc) {
   EXPECT_EQ(stats.requested_bytes.all().current, 0);
 }
 
+// A simulated device without jitter, an allocator over it, and a count of the stream errors the
+// allocator passes on to its observer.
+struct ObservedAllocator {
+  explicit ObservedAllocator(int devices = 1)
+      : backend(std::make_shared<SimBackend>(Options(devices))), alloc(backend, AllocatorConfig{}) {
+    alloc.SetStreamErrorObserver([this](const StreamError&) { ++errors; });
+  }
+  static SimBackend::Options Options(int devices) {
+    SimBackend::Options options = JitterOptions(0us);
+    options.devices = devices;
+    return options;
+  }
+  const std::shared_ptr<SimBackend> backend;
+  std::atomic<int> errors{0};
+  CachingAllocator alloc;
+};
+
 // Directed: a free with a stream use stays active_pending_free, whatever the use stream does,
 // until events are processed; once that stream is synchronized, processing releases it.
 TEST(PendingFreeTest, PendingFreeReleasedOnlyByEventProcessing) {
@@ -135,10 +152,8 @@ TEST(PendingFreeTest, FreeFallsBackToHostWaitWhenEventCreationFails) {
 // later work: the block stays pending until the stream has passed its free, and the stream's
 // owner hears of the failure.
 TEST(PendingFreeTest, AFailureHeardByAPollLeavesTheBlockPending) {
-  auto backend = std::make_shared<SimBackend>(JitterOptions(0us));
-  CachingAllocator alloc(backend, AllocatorConfig{});
-  int errors = 0;
-  alloc.SetStreamErrorObserver([&](const StreamError&) { ++errors; });
+  ObservedAllocator observed;
+  auto& [backend, errors, alloc] = observed;
   const StreamRef a = backend->default_stream(0);
   const StreamRef u = backend->create_stream(0);
   void* p = alloc.Malloc(4096, 0, a);
@@ -173,10 +188,8 @@ TEST(PendingFreeTest, AFailureHeardByAPollLeavesTheBlockPending) {
 // stream and then reports an earlier copy's failure, the stream has passed the free: the block is
 // free, Free does not throw, and the failure goes to the stream's owner.
 TEST(PendingFreeTest, AHostWaitThatHearsAnEarlierFailureStillFrees) {
-  auto backend = std::make_shared<SimBackend>(JitterOptions(0us));
-  CachingAllocator alloc(backend, AllocatorConfig{});
-  int errors = 0;
-  alloc.SetStreamErrorObserver([&](const StreamError&) { ++errors; });
+  ObservedAllocator observed;
+  auto& [backend, errors, alloc] = observed;
   const StreamRef a = backend->default_stream(0);
   const StreamRef b = backend->create_stream(0);
   void* p = alloc.Malloc(4096, 0, a);
@@ -200,12 +213,8 @@ TEST(PendingFreeTest, AHostWaitThatHearsAnEarlierFailureStillFrees) {
 // stream (here device 1's default stream, held busy). Recorded as one of the block's own device,
 // the null handle named device 0's default stream, idle, and the block was reused at once.
 TEST(PendingFreeTest, AStreamOfAnotherDeviceHoldsTheFreeBack) {
-  SimBackend::Options options = JitterOptions(0us);
-  options.devices = 2;
-  auto backend = std::make_shared<SimBackend>(options);
-  CachingAllocator alloc(backend, AllocatorConfig{});
-  int errors = 0;
-  alloc.SetStreamErrorObserver([&](const StreamError&) { ++errors; });
+  ObservedAllocator observed(/*devices=*/2);
+  auto& [backend, errors, alloc] = observed;
   const StreamRef a = backend->default_stream(0);
   const StreamRef other = backend->default_stream(1);
   void* p = alloc.Malloc(4096, 0, a);
@@ -227,6 +236,36 @@ TEST(PendingFreeTest, AStreamOfAnotherDeviceHoldsTheFreeBack) {
   alloc.Free(p);  // a new allocation of the block: the old use is gone, nothing waits
   ExpectFreedAtOnce(alloc);
   EXPECT_EQ(errors, 0);
+}
+
+// A free whose streams cannot be waited for (here both were destroyed after the use was recorded:
+// one of the block's device, one of another device) quarantines the block: it is never handed
+// out again, each stream's failure reaches the observer, and the statistics count the block once.
+TEST(PendingFreeTest, AStreamThatCannotBeWaitedForQuarantinesTheBlock) {
+  ObservedAllocator observed(/*devices=*/2);
+  auto& [backend, errors, alloc] = observed;
+  const StreamRef a = backend->default_stream(0);
+  const StreamRef own = backend->create_stream(0);
+  const StreamRef other = backend->create_stream(1);
+  void* p = alloc.Malloc(4096, 0, a);
+  alloc.RecordStream(p, own);
+  alloc.RecordStream(p, other, 1);
+  backend->destroy_stream(0, own.handle);
+  backend->destroy_stream(1, other.handle);
+  EXPECT_NO_THROW(alloc.Free(p));
+  EXPECT_EQ(errors, 2) << "each stream that could not be waited for goes to the observer";
+  EXPECT_EQ(alloc.stats(0).quarantined_blocks, 1);
+  EXPECT_EQ(alloc.stats(0).quarantined_bytes, 4096);
+  EXPECT_EQ(alloc.FlatStats(0).at("spillway.quarantined_bytes"), 4096);
+  EXPECT_EQ(alloc.stats(0).active.all().current, 1) << "the block left active_pending_free";
+  EXPECT_EQ(alloc.stats(0).allocation.all().current, 0);
+  alloc.ResetAccumulatedStats(0);
+  EXPECT_EQ(alloc.stats(0).quarantined_blocks, 1) << "a reset forgot the quarantined block";
+  for (int i = 0; i < 4; ++i) {
+    void* q = alloc.Malloc(4096, 0, a);
+    EXPECT_NE(q, p) << "the quarantined block was handed out again";
+    alloc.Free(q);
+  }
 }
 
 // A simulated device whose next device_free fails.
