@@ -330,9 +330,22 @@ def residency(tensor):
 
 
 def record_history(enabled=True, max_entries=100000, stacks="python"):
-    """Records allocator events, like torch.cuda.memory._record_memory_history. stacks="python"
-    attaches the allocating Python frames (on threads that hold the GIL); "none" records none."""
-    enabled = _check_bool("enabled", enabled)
+    """Records allocator events, like torch.cuda.memory._record_memory_history. `enabled` is a
+    bool, or as torch 2.x spells it "all" (record) or None (stop). stacks="python" attaches the
+    allocating Python frames (on threads that hold the GIL); "none" records none."""
+    if isinstance(enabled, str) and enabled == "state":
+        raise ValueError("enabled='state' (frames of live blocks without an event history) is not "
+                         "supported: Spillway records the history with its frames; pass 'all' or "
+                         "True, None or False to stop")
+    if enabled is None or isinstance(enabled, str):
+        if enabled not in (None, "all"):
+            raise ValueError(f"enabled must be True, False, 'all' or None, got {enabled!r}")
+        enabled = enabled == "all"
+    else:
+        enabled = _check_bool("enabled", enabled)
+    if stacks == "all":
+        raise ValueError("stacks='all' (Python and C++ frames) is not supported: Spillway records "
+                         "Python frames only; pass 'python' or 'none'")
     if stacks not in ("python", "none", None):
         raise ValueError(f"stacks must be 'python' or 'none', got {stacks!r}")
     if (isinstance(max_entries, bool) or not isinstance(max_entries, numbers.Integral)

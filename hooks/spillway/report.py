@@ -181,7 +181,9 @@ def plot(snapshots, labels, path):
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m spillway.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("snapshots", nargs="+", help="one or two pickles from spillway.dump_snapshot")
-    parser.add_argument("-o", "--output", default="spillway_timeline.png", help="image to write (.png, .svg or .pdf)")
+    parser.add_argument("-o", "--output", default="spillway_timeline.png",
+                        help="image to write (.png, .svg or .pdf; default: spillway_timeline.png in "
+                             "the current directory)")
     args = parser.parse_args(argv)
     if len(args.snapshots) > 2:
         parser.error("give one or two snapshots")
@@ -198,7 +200,13 @@ def main(argv=None):
         try:
             snap = load(path)
         except Exception as error:  # noqa: BLE001 - missing, unreadable, not a pickle, ...
-            reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+            if isinstance(error, OSError) and error.strerror:
+                reason = error.strerror
+            elif isinstance(error, (pickle.UnpicklingError, EOFError)):
+                # pickle's own words ("Memo value not found at index 104") do not say this.
+                reason = f"not a pickle file ({error}); write one with spillway.dump_snapshot"
+            else:
+                reason = error
             print(f"{parser.prog}: error: cannot read snapshot {path}: {reason}", file=sys.stderr)
             return 2
         if not isinstance(snap, dict) or "segments" not in snap or "device_traces" not in snap:

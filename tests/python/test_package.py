@@ -203,7 +203,7 @@ def test_a_zero_or_tiny_fraction_leaves_nothing_to_allocate_and_one_gives_it_bac
     lambda: spillway.release(torch.zeros(4), force=0),
 ])
 def test_booleans_must_be_booleans(call):
-    with pytest.raises(ValueError, match=r"(enabled|force) must be True or False, got"):
+    with pytest.raises(ValueError, match=r"(enabled|force) must be True(,| or) False.*, got"):
         call()
 
 
@@ -221,6 +221,27 @@ def test_numpy_and_torch_booleans_are_booleans():
     spillway.record_history(torch.tensor(False))
     t = torch.ones(10)
     assert spillway.release(t, force=numpy.bool_(False))["freed_bytes"] == 40
+
+
+def test_record_history_takes_torch_2x_spellings():
+    """torch 2.x's _record_memory_history takes enabled="all" to record and None to stop."""
+    spillway.record_history("all", max_entries=1000)
+    try:
+        x = torch.empty(3 << 20, dtype=torch.uint8)
+        trace = spillway.snapshot()["device_traces"][0]
+        assert any(e["action"] == "alloc" and e["addr"] == x.data_ptr() for e in trace)
+    finally:
+        spillway.record_history(None)
+    before = len(spillway.snapshot()["device_traces"][0])
+    y = torch.empty(3 << 20, dtype=torch.uint8)
+    assert len(spillway.snapshot()["device_traces"][0]) == before, "None did not stop recording"
+    del x, y
+    with pytest.raises(ValueError, match=r"enabled='state' .* is not supported.*pass 'all' or True"):
+        spillway.record_history("state")
+    with pytest.raises(ValueError, match=r"stacks='all' .* is not supported.*'python' or 'none'"):
+        spillway.record_history("all", stacks="all")
+    with pytest.raises(ValueError, match=r"enabled must be True, False, 'all' or None, got 'All'"):
+        spillway.record_history("All")
 
 
 @pytest.mark.parametrize("max_entries", [0, -1, 10_000_001, 1 << 62, 2.5, True])

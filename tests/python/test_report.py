@@ -140,6 +140,8 @@ def test_blocks_without_addresses_are_summarized():
 def test_command_line_names_a_file_it_cannot_read(tmp_path):
     not_pickle = tmp_path / "notes.txt"
     not_pickle.write_text("hello\n")
+    empty = tmp_path / "empty.pickle"
+    empty.write_bytes(b"")
     not_snapshot = tmp_path / "list.pickle"
     import pickle
     not_snapshot.write_bytes(pickle.dumps([1, 2, 3]))
@@ -151,6 +153,8 @@ def test_command_line_names_a_file_it_cannot_read(tmp_path):
         {"state": "active_allocated"}]}], "device_traces": []}))
     for path, reason in ((tmp_path / "missing.pickle", "No such file or directory"),
                          (not_pickle, "cannot read snapshot"),
+                         (not_pickle, "not a pickle file"),
+                         (empty, "not a pickle file (Ran out of input)"),
                          (not_snapshot, "is not a memory snapshot"),
                          (wrong_types, "is not a memory snapshot this tool can read (TypeError"),
                          (no_size, "missing key 'size'")):
