@@ -153,7 +153,7 @@ BlockId DeviceAllocator::AskHolders(PoolKind kind, StreamRef stream, size_t roun
   while (block == kNoBlock && !callbacks.empty()) {
     // The holders free through this allocator: the lock must not be held.
     // Bytes freed so far: grows with every free, whatever other threads allocate meanwhile.
-    const auto freed_before = stats_.allocated_bytes.all().freed;
+    const uint64_t freed_before = bytes_freed_;
     lock.unlock();
     size_t released = 0;
     for (const FreeMemoryCallback& callback : callbacks) {
@@ -168,7 +168,7 @@ BlockId DeviceAllocator::AskHolders(PoolKind kind, StreamRef stream, size_t roun
     if (block == kNoBlock) block = Reclaim(kind, stream, rounded);
     // Nothing given back (by their word, or by the freed bytes: a holder that says it freed
     // memory but did not must not keep this loop going): asking again cannot help.
-    if (released == 0 || stats_.allocated_bytes.all().freed <= freed_before) break;
+    if (released == 0 || bytes_freed_ == freed_before) break;
     ask = ask > std::numeric_limits<size_t>::max() / 2 ? ask : ask * 2;
   }
   return block;
@@ -341,6 +341,7 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
   block.allocated = false;
   stats_.allocation.Decrease(block.pool, 1);
   stats_.allocated_bytes.Decrease(block.pool, static_cast<int64_t>(block.size()));
+  bytes_freed_ += block.size();
   if (policy_.IsOversize(block.size())) stats_.oversize_allocations.Decrease(1);
   TraceBlock(TraceAction::kFreeRequested, block, std::move(context));
   if (!arena_.has_stream_uses(id)) {

@@ -240,6 +240,8 @@ class DeviceAllocator {
   absl::flat_hash_map<uint64_t, StreamHandle> stream_handles_;
   std::vector<EventHandle> spare_events_;
   DeviceStats stats_;
+  // Bytes of every block freed so far. Unlike stats_, never reset: AskHolders reads progress here.
+  uint64_t bytes_freed_ = 0;
   HistoryRing history_;
   std::optional<double> memory_fraction_;
   size_t memory_limit_bytes_ = 0;

@@ -77,7 +77,8 @@ void SavedHandle::CheckVersion() const {
               "inplace operation: [",
               Describe(), "] is at version ", current, "; expected version ", saved_version_,
               " instead. Hint: the tensor was saved for backward (",
-              managed() ? "offloaded" : "kept as it is",
+              // Whether it was spilled does not matter here: the version is checked either way.
+              managed() ? "tracked for offload" : "kept as it is",
               " by Spillway) and changed in place afterwards.");
 }
 

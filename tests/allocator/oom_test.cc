@@ -111,6 +111,30 @@ TEST_F(OomTest, HoldersAreAskedAgainWhileTheyGiveMemoryBack) {
   for (void* b : {blocks[3], blocks[5], blocks[7]}) allocator_->Free(b);
 }
 
+// Whether the holders gave memory back is not read from the statistics: a reset of the
+// accumulated statistics meanwhile (any thread may call torch.cuda.reset_accumulated_memory_stats)
+// zeroed the freed-bytes count, and the ladder gave up after one round with a spurious OOM.
+TEST_F(OomTest, AStatisticsResetDuringTheLadderDoesNotEndIt) {
+  Reset(AllocatorConfig{}, 40 * kMiB);
+  std::vector<void*> blocks(8);
+  for (void*& b : blocks) b = Alloc(5 * kMiB);
+  std::sort(blocks.begin(), blocks.end());
+  std::vector<void*> order = {blocks[0], blocks[4], blocks[2], blocks[6], blocks[1]};
+  size_t calls = 0;
+  allocator_->AddFreeMemoryCallback([&](int device, size_t) -> size_t {
+    if (calls == order.size()) return 0;
+    allocator_->Free(order[calls++]);
+    allocator_->ResetAccumulatedStats(device);
+    return 5 * kMiB;
+  });
+  void* p = nullptr;
+  EXPECT_NO_THROW(p = Alloc(12 * kMiB));
+  EXPECT_EQ(p, blocks[0]);
+  EXPECT_EQ(calls, order.size());
+  allocator_->Free(p);
+  for (void* b : {blocks[3], blocks[5], blocks[7]}) allocator_->Free(b);
+}
+
 // A holder that claims to have freed memory but did not cannot keep the allocator asking.
 TEST_F(OomTest, AHolderThatFreesNothingIsAskedOnce) {
   void* held = Alloc(64 * kMiB);
