@@ -52,6 +52,19 @@ def _honoured_items(pytorch_items):
     return [i for i in _items(pytorch_items) if i.split(":", 1)[0].strip() in _HONOURED]
 
 
+def _warn_conflicts(sources):
+    """Warns of a key given different values by two items: the later one wins (the merged string
+    is parsed in order), which the user should not have to find out."""
+    seen = {}
+    for var, item in sources:
+        key, _, value = (part.strip() for part in item.partition(":"))
+        if key in seen and seen[key][1] != value:
+            first_var, first_value = seen[key]
+            print(f"spillway: {key} is given twice, {key}:{first_value} in {first_var} and "
+                  f"{key}:{value} in {var}; using {key}:{value}", file=sys.stderr)
+        seen[key] = (var, value)
+
+
 def _without_ours(lib, text):
     """`text` less every item Spillway's split would take, those with a bad value included (the
     whole-string split refuses those, and PyTorch would reject them all the same)."""
@@ -91,6 +104,7 @@ def _run():
     lib = ctypes.CDLL(os.path.join(here, "spillway", "libspillway_alloc.so"))
     lib.spillway_last_error.restype = ctypes.c_char_p
     parts = []
+    sources = []  # (variable, item) of every item the merged string takes, in its order
     global _borrowed
     _borrowed = []
     for var in _PYTORCH_VARS:
@@ -111,6 +125,7 @@ def _run():
                 del os.environ[var]
             parts.append(ours)
             parts.extend(_honoured_items(theirs))
+            sources.extend((var, item) for item in _items(ours) + _honoured_items(theirs))
         else:
             # PyTorch's keys that Spillway honours count even from a variable that does not name
             # Spillway (on CUDA PyTorch's own allocator, which would have read them, serves
@@ -119,6 +134,9 @@ def _run():
             _borrowed.extend((var, item) for item in _honoured_items(theirs))
     _user_conf = os.environ.get("SPILLWAY_ALLOC_CONF")
     own = (_user_conf or "").strip()
+    sources.extend(_borrowed)
+    sources.extend(("SPILLWAY_ALLOC_CONF", item) for item in _items(own) if own)
+    _warn_conflicts(sources)
     conf = ",".join(p for p in parts + [item for _, item in _borrowed] + [own] if p)
     # The process allocator of libspillway_alloc.so reads SPILLWAY_ALLOC_CONF on first use: give
     # it the merged string, so every entry point sees the same configuration. If the install

@@ -80,6 +80,26 @@ def test_pytorch_keys_count_when_only_spillways_variable_asks():
     assert out["pytorch_conf"] == "max_split_size_mb:64"
 
 
+def test_a_key_given_two_values_is_warned_of():
+    """User review: conflicting values across the variables resolved silently (the last wins)."""
+    env = {"PYTHONUSERBASE": SITE,
+           "PYTORCH_CUDA_ALLOC_CONF": "backend:spillway,device:sim,max_split_size_mb:32,"
+                                      "offload:eager,offload_min_kb:0",
+           "SPILLWAY_ALLOC_CONF": "max_split_size_mb:64,offload:off,device:sim"}
+    result = run_script(PLAIN_SCRIPT, env=env)
+    warnings = [line for line in result.stderr.splitlines() if "is given twice" in line]
+    assert warnings == [
+        "spillway: max_split_size_mb is given twice, max_split_size_mb:32 in "
+        "PYTORCH_CUDA_ALLOC_CONF and max_split_size_mb:64 in SPILLWAY_ALLOC_CONF; using "
+        "max_split_size_mb:64",
+        "spillway: offload is given twice, offload:eager in PYTORCH_CUDA_ALLOC_CONF and "
+        "offload:off in SPILLWAY_ALLOC_CONF; using offload:off"], result.stderr
+    out = lines_of(result)
+    assert out["installed"] == "sim"
+    assert out["max_split_size"] == str(64 << 20)
+    assert out["spills"] == "0"
+
+
 def test_a_pytorch_value_spillway_refuses_is_skipped_when_borrowed():
     """A variable that does not name Spillway lends its honoured keys; one whose value Spillway's
     stricter parser refuses (PyTorch reads "64MB" as 64) is skipped with a warning rather than
