@@ -167,6 +167,11 @@ void CachingAllocator::SetStreamErrorObserver(StreamErrorObserver observer) {
   stream_error_observer_.Set(callback_guard_, std::move(observer));
 }
 
+void CachingAllocator::DeliverStreamErrors(int device) {
+  DeviceAllocator& allocator = At(device);
+  if (allocator.has_stream_errors()) DispatchStreamErrors(allocator);
+}
+
 void CachingAllocator::DispatchStreamErrors(DeviceAllocator& device) {
   const std::vector<StreamError> errors = device.TakeStreamErrors();
   const auto observer = stream_error_observer_.Get();

@@ -97,6 +97,9 @@ class CachingAllocator {
   // every allocator lock. The offload engine uses it to fail the copies it had in flight.
   using StreamErrorObserver = std::function<void(const StreamError&)>;
   void SetStreamErrorObserver(StreamErrorObserver observer);
+  // Passes to the observer, now, the errors of `device` found and not yet passed on (a call
+  // found them, and passes them on only as it returns). Call it with no allocator lock held.
+  void DeliverStreamErrors(int device);
 
   // Out-of-memory ladder step: see FreeMemoryCallback. Returns an id for removal.
   uint64_t AddFreeMemoryCallback(FreeMemoryCallback callback);

@@ -52,13 +52,17 @@ void OffloadEngine::OnStreamError(const StreamError& error) {
 
 bool OffloadEngine::CopyDone(Entry& e, EventHandle copy, Residency direction, bool wait) {
   try {
-    if (!wait) return backend_.query_event(e.device, copy);
-    backend_.synchronize_event(e.device, copy);
-    return true;
+    if (!wait && !backend_.query_event(e.device, copy)) return false;
+    if (wait) backend_.synchronize_event(e.device, copy);
   } catch (const BackendError& error) {
     FailInFlight(e.device, direction, error.what());
     return false;
   }
+  // The allocator may have heard of this copy's failure first (its event for a block a spill
+  // gave back) and not passed it on yet: inside its out-of-memory ladder, which asks the engine
+  // for memory before it returns. Heard of here, the failure marks the entry failed.
+  allocator_.DeliverStreamErrors(e.device);
+  return e.state != Residency::kFailed;
 }
 
 void OffloadEngine::IssueCopy(int device, Residency direction, absl::FunctionRef<void()> copy,

@@ -141,6 +141,46 @@ TEST_F(OffloadCopyFailure, OffloadWaitResidentReportsAFailedReload) {
   DropAllAndExpectNoLeaks({ida, idb});
 }
 
+// The allocator can be the first to hear of a spill's failure (its event for the block the spill
+// gave back), inside the out-of-memory ladder, which then asks the engine for memory before the
+// failure is passed on: the engine gives back a prefetch that read from that spill. It must hear
+// of the failure before it trusts the copy, or the entry passes for spilled with a host buffer
+// that was never filled, and a later reload returns whatever it held.
+TEST_F(OffloadCopyFailure, OffloadAFailureTheLadderHeardFailsThePrefetchThatReadIt) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 12 * kMiB;  // a, when backward acquires b
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 81);
+  std::shared_ptr<TestStorage> b = NewStorage(16 * kMiB, 82);
+  const KeeperId ida = Save(a);
+  const KeeperId idb = Save(b);
+  {
+    auto hold = backend_->hold_stream(0, compute_.handle);  // a's spill copy waits behind it
+    a->holders = 0;
+    WithNextCopyFailing([&] { engine_->ForwardEnd(); });  // a's copy to the host
+    ASSERT_EQ(StateOf(a), Residency::kSpilling);
+    engine_->Acquire(idb, compute_);  // backward starts: a is prefetched while still spilling
+    ASSERT_EQ(StateOf(a), Residency::kReloading);
+  }
+  // The failing copy runs; the prefetch after it too. Nobody has looked at the spill's stream.
+  backend_->synchronize_stream(0, engine_->h2d_stream_for_testing(0).handle);
+  // More than is free: the ladder's wait for a's old block hears of the failure, then the
+  // engine is asked to give memory back.
+  void* p = nullptr;
+  try {
+    p = allocator_->Malloc(40 * kMiB, 0, compute_);
+  } catch (const OutOfMemoryError&) {
+    // Whether it fits is not the point.
+  }
+  EXPECT_EQ(StateOf(a), Residency::kFailed) << "a passed for spilled with bytes never copied";
+  ExpectLost(ida);
+  if (p != nullptr) allocator_->Free(p);
+  EXPECT_EQ(AcquireAndRead(idb, 16 * kMiB), Pattern(16 * kMiB, 82));
+  a.reset();
+  b.reset();
+  DropAllAndExpectNoLeaks({ida, idb});
+}
+
 // One reload's failure fails every reload in flight, healthy ones included (which one failed is
 // not known). A healthy one still queued, that no stream waits for yet (a prefetch's, say), must
 // keep its block until its copy has run: dropped now, its block is handed out again, and the copy
