@@ -302,6 +302,15 @@ bool OffloadEngine::Spill(Entry& e) {
   // A prefetch keeps its host copy until acquired, and the rescue gives those back rather than
   // copy them out again (GiveBackPrefetches): never a second host buffer for one entry.
   if (e.host != nullptr) return false;
+  // The entry's size and block were taken at its first save. A storage resized in place since
+  // then (resize_, an out= op) has other bytes: a copy of e.nbytes would leave out what a later
+  // save reads, or run past a smaller block. Kept as it is, its saves read the live storage.
+  if (const auto info = allocator_.Lookup(e.storage->data());
+      e.storage->nbytes() != e.nbytes || !info || info->ptr != e.storage->data()) {
+    if (!e.policy_refused) CountSkip(kSkipResized);  // once: the rescue may ask again
+    e.policy_refused = true;
+    return false;
+  }
   DeviceContext& dc = Device(e.device);
   absl::StatusOr<void*> host = absl::UnknownError("not tried");
   try {

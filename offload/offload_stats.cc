@@ -19,8 +19,8 @@ std::map<std::string, int64_t> OffloadStats::Flatten() const {
       {"bytes_to_host", bytes_to_host},
       {"bytes_to_device", bytes_to_device},
   };
-  for (std::string_view reason :
-       {kSkipSmall, kSkipNoPinned, kSkipHostLimit, kSkipForeign, kSkipEmpty, kSkipCopyError}) {
+  for (std::string_view reason : {kSkipSmall, kSkipNoPinned, kSkipHostLimit, kSkipForeign,
+                                  kSkipEmpty, kSkipCopyError, kSkipResized}) {
     out["skipped." + std::string(reason)] = 0;
   }
   for (const auto& [reason, count] : skipped) out["skipped." + reason] = count;

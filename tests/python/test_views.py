@@ -127,3 +127,23 @@ def test_conj_and_neg_bits_come_back():
     spillway.synchronize()
     assert stat("spillway.num_spills") == spills + 1
     out.real.sum().backward()
+
+
+def test_a_storage_resized_after_its_first_save_is_not_spilled_short():
+    """Review: a storage grown in place (resize_, an out= op) after its first save kept the entry
+    made at that save, with the old size: the spill copied only the old bytes, and a later save
+    that reached past them read garbage in backward."""
+    w = torch.ones(512, requires_grad=True)
+    buf = torch.zeros(256)
+    skipped = spillway.memory_stats().get("spillway.skipped.resized", 0)
+    with spillway.offload("eager", min_bytes=0, prefetch_bytes=0):
+        first = (w[:256] * buf).sum()  # saves buf: an entry of 1 KiB (never run backward)
+        buf.resize_(512).fill_(3.0)  # the same storage, 2 KiB now
+        loss = (w * buf).sum()  # saves buf again, all 2 KiB of it
+        del buf
+    spillway.synchronize()
+    junk = torch.full((512,), -7.0)  # takes whatever block was freed
+    loss.backward()
+    assert torch.equal(w.grad, torch.full((512,), 3.0)), w.grad
+    assert stat("spillway.skipped.resized") == skipped + 1
+    del junk, first
