@@ -247,14 +247,8 @@ void OffloadEngine::DiscardCopies(Entry& e) {
 }
 
 void OffloadEngine::FreeHostBuffer(int device, void* host, std::optional<StreamRef> last_use) {
-  try {
-    Device(device).pool.Free(host, last_use);
-  } catch (const BackendError& error) {
-    // Work on a copy stream failed earlier (the pool's event record found it); the buffer itself
-    // went back safely.
-    FailInFlight(device, Residency::kSpilling, error.what());
-    FailInFlight(device, Residency::kReloading, error.what());
-  }
+  // A failure heard here leaves the buffer itself safely back in the pool.
+  PoolCall(device, [&] { Device(device).pool.Free(host, last_use); });
 }
 
 void OffloadEngine::ReleaseHost(Entry& e, std::optional<StreamRef> last_use) {
@@ -288,6 +282,13 @@ void OffloadEngine::Refresh(Entry& e, bool wait) {
   if (!e.prefetched) ReleaseHost(e, std::nullopt);
 }
 
+void OffloadEngine::StartStall(Entry& e) {
+  // One reload is one stall, however many views of the storage are acquired while it runs.
+  if (e.stall_since_us != 0) return;
+  ++stats_.num_stalls;
+  e.stall_since_us = NowMicros();
+}
+
 bool OffloadEngine::Eligible(const Entry& e) const {
   return e.state == Residency::kResident && !e.acquiring && !e.saved_under_off &&
          e.storage->data() != nullptr && e.storage->external_holders() == 0;
@@ -313,13 +314,12 @@ bool OffloadEngine::Spill(Entry& e) {
   }
   DeviceContext& dc = Device(e.device);
   absl::StatusOr<void*> host = absl::UnknownError("not tried");
-  try {
-    host = dc.pool.Allocate(e.nbytes);
-  } catch (const BackendError& error) {
-    // The pool polls events on the copy streams: an earlier copy's failure can surface here.
-    FailInFlight(e.device, Residency::kSpilling, error.what());
-    FailInFlight(e.device, Residency::kReloading, error.what());
-    host = dc.pool.Allocate(e.nbytes);
+  // A failure the pool hears of is an earlier copy's: asked again, it allocates (or hears of the
+  // other stream's failure; then this spill is not made now).
+  const auto allocate = [&] { host = dc.pool.Allocate(e.nbytes); };
+  if (!PoolCall(e.device, allocate) && !PoolCall(e.device, allocate)) {
+    CountSkip(kSkipCopyError);
+    return false;
   }
   if (!host.ok()) {
     CountSkip(absl::IsResourceExhausted(host.status()) ? kSkipHostLimit : kSkipNoPinned);
@@ -445,12 +445,10 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
     case Residency::kSpilling:
     case Residency::kSpilled:
       Reload(e, consumer);
-      ++stats_.num_stalls;
-      e.stall_since_us = NowMicros();
+      StartStall(e);
       break;
     case Residency::kReloading:
-      ++stats_.num_stalls;  // prefetched, but not finished yet
-      e.stall_since_us = NowMicros();
+      StartStall(e);  // prefetched (or acquired through another view), but not finished yet
       break;
     case Residency::kResident:
       if (e.prefetched) ++stats_.num_prefetch_hits;
@@ -484,14 +482,7 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
 void OffloadEngine::TrimHostMemory() {
   EngineLock lock(mutex_);
   for (const auto& dc : devices_) {
-    if (dc == nullptr) continue;
-    try {
-      dc->pool.Trim();
-    } catch (const BackendError& error) {
-      // The pool polls the copy streams' events: an earlier copy's failure can surface here.
-      FailInFlight(dc->device, Residency::kSpilling, error.what());
-      FailInFlight(dc->device, Residency::kReloading, error.what());
-    }
+    if (dc != nullptr) PoolCall(dc->device, [&] { dc->pool.Trim(); });
   }
 }
 

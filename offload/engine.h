@@ -184,6 +184,8 @@ class OffloadEngine {
   // Settles a spilling or reloading entry whose copy has completed; with `wait`, blocks the host
   // until it has. A failed copy makes the entry kFailed.
   void Refresh(Entry& e, bool wait = false);
+  // Counts a stall on `e` (backward waits for its reload) and when it began, once per reload.
+  void StartStall(Entry& e);
   // Whether `copy` (of `e`, in `direction`) has completed; a failure it reports fails the entries
   // in flight in that direction (FailInFlight) and counts as not done.
   bool CopyDone(Entry& e, EventHandle copy, Residency direction, bool wait);
@@ -210,6 +212,9 @@ class OffloadEngine {
   // `direction` (kSpilling: device to host), sorting out failures of earlier copies found there.
   void IssueCopy(int device, Residency direction, absl::FunctionRef<void()> copy,
                  absl::FunctionRef<void()> record);
+  // Runs `call` into the device's pinned pool; a failure of earlier copies it hears of fails
+  // the copies in flight (FailInFlight, both directions), and the call returns false.
+  bool PoolCall(int device, absl::FunctionRef<void()> call);
   // Records `event` on a stream of the program's. A copy the program enqueued there that failed
   // is the program's error: thrown as ProgramStreamError, never blamed on the engine's copies.
   void RecordOnProgramStream(int device, EventHandle event, StreamRef stream);

@@ -89,6 +89,19 @@ void OffloadEngine::IssueCopy(int device, Residency direction, absl::FunctionRef
   }
 }
 
+bool OffloadEngine::PoolCall(int device, absl::FunctionRef<void()> call) {
+  try {
+    call();
+    return true;
+  } catch (const BackendError& error) {
+    // The pool polls and records events on both copy streams: an earlier copy's failure on
+    // either can surface here, and which copy it was is not known.
+    FailInFlight(device, Residency::kSpilling, error.what());
+    FailInFlight(device, Residency::kReloading, error.what());
+    return false;
+  }
+}
+
 void OffloadEngine::RecordOnProgramStream(int device, EventHandle event, StreamRef stream) {
   try {
     backend_.record_event(device, event, stream.handle);

@@ -181,6 +181,59 @@ TEST_F(OffloadCopyFailure, OffloadAFailureTheLadderHeardFailsThePrefetchThatRead
   DropAllAndExpectNoLeaks({ida, idb});
 }
 
+// The pinned pool polls the buffers that wait for each copy stream, and each stream's failure is
+// heard once: a spill's allocation can hear of one stream's failure, and its second try of the
+// other's. Neither is the spill's, nor its caller's: the spill is not made now, nothing escapes.
+TEST_F(OffloadCopyFailure, OffloadASpillWhosePoolHearsTwoFailuresIsSkipped) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 0;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 91);
+  std::shared_ptr<TestStorage> b = NewStorage(2 * kMiB, 92);
+  std::shared_ptr<TestStorage> c = NewStorage(2 * kMiB, 93);
+  const KeeperId ida = Save(a);
+  const KeeperId idb = Save(b);
+  const KeeperId idc = Save(c);
+  a->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(a), Residency::kSpilled);
+  {
+    // a's reload fails on the copy-back stream, and a is dropped while it is queued: its host
+    // buffer waits in the pool for that stream.
+    auto h2d_hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+    WithNextCopyFailing([&] { engine_->Acquire(ida, compute_); });
+    a.reset();
+    engine_->RemoveKeeper(ida);
+    // b's spill fails on the copy-out stream, and b is dropped while it is queued: its buffer
+    // waits for that stream.
+    auto compute_hold = backend_->hold_stream(0, compute_.handle);
+    b->holders = 0;
+    WithNextCopyFailing([&] { engine_->ForwardEnd(); });
+    ASSERT_EQ(StateOf(b), Residency::kSpilling);
+    b.reset();
+    engine_->RemoveKeeper(idb);
+  }
+  DrainWithoutLooking();  // both failures are there; nobody has heard of them
+  const int64_t copy_errors = EngineStat("skipped.copy_error");
+  c->holders = 0;
+  EXPECT_NO_THROW(engine_->ForwardEnd()) << "a failure of copies already dropped escaped";
+  EXPECT_EQ(EngineStat("skipped.copy_error"), copy_errors + 1);
+  EXPECT_EQ(StateOf(c), Residency::kResident);
+  EXPECT_EQ(Read(c), Pattern(2 * kMiB, 93));
+  // The pool has heard everything now: the next save spills and comes back whole.
+  std::shared_ptr<TestStorage> d = NewStorage(2 * kMiB, 94);
+  const KeeperId idd = Save(d);
+  d->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(d), Residency::kSpilled);
+  EXPECT_EQ(AcquireAndRead(idd, 2 * kMiB), Pattern(2 * kMiB, 94));
+  c.reset();
+  d.reset();
+  DropAllAndExpectNoLeaks({idc, idd});
+}
+
 // One reload's failure fails every reload in flight, healthy ones included (which one failed is
 // not known). A healthy one still queued, that no stream waits for yet (a prefetch's, say), must
 // keep its block until its copy has run: dropped now, its block is handed out again, and the copy

@@ -1,5 +1,6 @@
 // Each policy's contract, the out-of-memory rescue and prefetch.
 #include <algorithm>
+#include <chrono>
 #include <random>
 #include <thread>
 
@@ -258,6 +259,37 @@ TEST_F(OffloadPolicyTest, OffloadPrefetchReloadsAheadInReverseSaveOrder) {
   }
   EXPECT_EQ(EngineStat("num_prefetch_hits"), 5);
   EXPECT_EQ(EngineStat("num_stalls"), 1);
+}
+
+// Two views of one storage acquired while its reload runs: one reload, one stall, timed from the
+// first acquire (the second counted another stall and restarted the clock).
+TEST_F(OffloadPolicyTest, OffloadTwoViewsAcquiredDuringOneReloadAreOneStall) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 0;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 9);
+  const KeeperId whole = Save(a);
+  const KeeperId half = Save(a, /*offset=*/kMiB);
+  a->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(a), Residency::kSpilled);
+  {
+    auto hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+    engine_->Acquire(whole, compute_);
+    const auto started = std::chrono::steady_clock::now();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    engine_->Acquire(half, compute_);
+    ASSERT_EQ(StateOf(a), Residency::kReloading);
+    // The first stall began before the sleep: its time counts from there.
+    while (std::chrono::steady_clock::now() - started < std::chrono::milliseconds(60)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  engine_->Synchronize();
+  EXPECT_EQ(EngineStat("num_reloads"), 1);
+  EXPECT_EQ(EngineStat("num_stalls"), 1);
+  EXPECT_GE(EngineStat("stall_us"), 50'000) << "the stall was timed from the second acquire";
 }
 
 // The window `auto` keeps resident follows entries as they come and go (each budget check used to
