@@ -49,6 +49,9 @@ PyFrameObject* FrameBack(PyFrameObject* frame) {
 TraceContext GatherPythonFrames() {
   if (!Py_IsInitialized() || OffloadEngine::InsideEngineOnThisThread()) return nullptr;
   py::gil_scoped_acquire gil;
+  // An exception being raised (a free while the stack unwinds) stays as it was, and one of ours
+  // (a filename that is no valid UTF-8) is not left set for the next C-API caller to trip on.
+  const py::error_scope keep_pending_error;
   auto context = std::make_shared<TorchTraceContext>();
   std::vector<PythonFrame>* frames = &context->frames;
   PyFrameObject* frame = PyEval_GetFrame();  // borrowed
@@ -56,7 +59,9 @@ TraceContext GatherPythonFrames() {
   while (frame != nullptr && static_cast<int>(frames->size()) < kMaxFrames) {
     PyCodeObject* code = FrameCode(frame);  // new reference
     const char* filename = PyUnicode_AsUTF8(code->co_filename);
+    if (filename == nullptr) PyErr_Clear();
     const char* name = PyUnicode_AsUTF8(code->co_name);
+    if (name == nullptr) PyErr_Clear();
     frames->push_back(
         PythonFrame{filename ? filename : "?", PyFrame_GetLineNumber(frame), name ? name : "?"});
     Py_DECREF(code);

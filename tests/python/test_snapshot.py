@@ -123,3 +123,15 @@ def test_record_history_checks_its_arguments():
         spillway.record_history(True, stacks="cpp")
     with pytest.raises(ValueError, match="max_entries must be a positive"):
         spillway.record_history(True, max_entries=0)
+
+
+def test_a_frame_whose_filename_is_no_utf8_leaves_no_error_set(recorded):
+    """Review: the stack gatherer left PyUnicode_AsUTF8's error set, and the next call into
+    Python raised SystemError ("returned a result with an exception set")."""
+    namespace = {"torch": torch}
+    exec(compile("x = torch.empty(1 << 20)", "/tmp/caf\udce9.py", "exec"), namespace)
+    assert (torch.ones(3) + 1).sum().item() == 6
+    frames = [f for e in spillway.snapshot()["device_traces"][0]
+              if e["action"] == "alloc" and e["addr"] == namespace["x"].data_ptr()
+              for f in e["frames"]]
+    assert any(f["filename"] == "?" for f in frames), frames
