@@ -4,6 +4,7 @@ import contextlib
 import numbers
 import os
 import threading
+import weakref
 
 import torch
 
@@ -120,11 +121,16 @@ class _Kept:
     through autograd's C++ nodes that Python's collector cannot break; and with its version,
     since autograd leaves that check to the hooks."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "__weakref__")
 
     def __init__(self, tensor):
         self.tensor = tensor.detach()
         self.version = tensor._version
+        # release() must see this save, as the engine's keepers show it the others.
+        ptr = _storage_ptr(self.tensor)
+        if ptr:
+            _kept_storages[ptr] = _kept_storages.get(ptr, 0) + 1
+            weakref.finalize(self, _forget_kept, ptr)
 
     def unpack(self):
         if self.tensor._version != self.version:
@@ -135,6 +141,28 @@ class _Kept:
                 "tensor was saved for backward (kept as it is by Spillway) and changed in place "
                 "afterwards.")
         return self.tensor
+
+
+# Storage address -> how many saves kept as they are (_Kept) hold that storage now.
+_kept_storages = {}
+
+
+def _forget_kept(ptr):
+    left = _kept_storages.get(ptr, 0) - 1
+    if left > 0:
+        _kept_storages[ptr] = left
+    else:
+        _kept_storages.pop(ptr, None)
+
+
+def _storage_ptr(tensor):
+    """The address of the tensor's storage (0: none, or a subclass without one, a wrapper)."""
+    try:
+        storage = tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else \
+            tensor.storage()
+        return storage.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
 
 
 def _pack(tensor):
@@ -317,6 +345,14 @@ def release(tensor, force=False):
     _check_tensor("release", tensor)
     force = _check_bool("force", force)
     _require_installed("release")
+    kept = _kept_storages.get(_storage_ptr(tensor), 0)
+    if kept and not force:
+        # Saves of tensor subclasses, which Spillway keeps as they are in Python: the engine
+        # does not know them, and backward would read freed memory (a crash, not an error).
+        raise ValueError(
+            f"spillway.release: {kept} tensor(s) saved for backward (tensor subclasses, kept as "
+            "they are) still keep this storage; releasing it would crash the backward pass. Pass "
+            "force=True if they will never be read.")
     return _C.release(tensor, force)
 
 

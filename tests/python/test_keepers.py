@@ -85,6 +85,25 @@ def test_release_refuses_a_storage_saved_for_backward():
     assert torch.equal(x.grad, x.detach().exp())
 
 
+class Tagged(torch.Tensor):
+    """A Python subclass: Spillway keeps its saves as they are, in Python."""
+
+
+def test_release_refuses_a_storage_a_kept_subclass_save_needs():
+    """Review: a save of a tensor subclass has no engine entry, so release() saw no keeper, freed
+    the storage, and backward read through a null pointer (a crash)."""
+    w = torch.randn(64, requires_grad=True)
+    t = torch.randn(64)
+    with spillway.offload("eager", min_bytes=0):
+        loss = (w * t.as_subclass(Tagged)).sum()  # mul saves its inputs, a Tagged among them
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) saved for backward \(tensor subclasses"):
+        spillway.release(t)
+    loss.backward()  # untouched
+    assert torch.equal(w.grad, t)
+    del loss  # the graph and its saves are gone: nothing keeps t's storage for backward now
+    assert spillway.release(t)["freed_bytes"] == 64 * 4
+
+
 def test_release_refuses_a_tensor_that_requires_grad():
     """User review: release(y) of an output that autograd saved outside Spillway's hooks crashed
     the process at backward; a parameter released broke the next forward."""
