@@ -93,6 +93,14 @@ def install(device=None, conf=None, capacity_bytes=None):
                     raise RuntimeError(
                         "spillway.install(device='cuda') must run before CUDA initializes: call "
                         "it before creating any CUDA tensor")
+                # Checked before the runtime installs: after that, a failure here would leave it
+                # in CUDA mode with PyTorch's own allocator serving everything.
+                if not _C.has_cuda_allocator() and not hasattr(torch.cuda.memory,
+                                                               "CUDAPluggableAllocator"):
+                    raise RuntimeError(
+                        "spillway.install(device='cuda'): this build has no c10 allocator adapter "
+                        f"and torch {torch.__version__} has no CUDAPluggableAllocator; build "
+                        "Spillway against a CUDA torch 2.4 or later")
             _C.install("cuda", text, capacity)
             if mode == "":
                 if _C.has_cuda_allocator():

@@ -135,6 +135,35 @@ def test_cuda_install_without_cuda_is_a_clear_error():
         result.stderr
 
 
+def test_a_cuda_install_with_no_route_to_torch_leaves_nothing_installed():
+    """Review: with neither the c10 adapter nor CUDAPluggableAllocator (a CUDA torch before 2.0),
+    the runtime was switched to CUDA before the torch side failed: installed() said "cuda" while
+    PyTorch's own allocator served everything, and a second install returned silently."""
+    if spillway._C.has_cuda_allocator():
+        pytest.skip("this build has the c10 adapter")
+    result = run_script("""
+        import torch
+        import spillway
+        torch.version.cuda = "12.1"  # a CUDA torch, as far as install can tell
+        torch.cuda.is_available = lambda: True
+        torch.cuda.is_initialized = lambda: False
+        if hasattr(torch.cuda.memory, "CUDAPluggableAllocator"):
+            del torch.cuda.memory.CUDAPluggableAllocator
+        for attempt in range(2):
+            try:
+                spillway.install("cuda")
+                print("installed")
+            except RuntimeError as error:
+                print("ERR", error)
+        print("mode", spillway.installed())
+    """)
+    lines = result.stdout.splitlines()
+    assert lines[:2] == ["ERR spillway.install(device='cuda'): this build has no c10 allocator "
+                         f"adapter and torch {torch.__version__} has no CUDAPluggableAllocator; "
+                         "build Spillway against a CUDA torch 2.4 or later"] * 2, result
+    assert lines[2] == "mode None", result
+
+
 def test_cuda_allocator_adapter_needs_a_cuda_install():
     # Here (simulated device installed) the adapter cannot be installed, whichever build this is.
     with pytest.raises(Exception, match="install Spillway for device \"cuda\" first|no c10 CUDA"):
