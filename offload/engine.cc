@@ -299,18 +299,24 @@ bool OffloadEngine::PolicyMaySpill(const Entry& e) {
          !e.saved_under_off;
 }
 
-bool OffloadEngine::Spill(Entry& e) {
+void OffloadEngine::CountSkipOf(Entry& e, std::string_view reason) {
+  if (e.skipped_for == reason) return;
+  e.skipped_for = reason;
+  CountSkip(reason);
+}
+
+OffloadEngine::SpillOutcome OffloadEngine::Spill(Entry& e) {
   // A prefetch keeps its host copy until acquired, and the rescue gives those back rather than
   // copy them out again (GiveBackPrefetches): never a second host buffer for one entry.
-  if (e.host != nullptr) return false;
+  if (e.host != nullptr) return SpillOutcome::kRefused;
   // The entry's size and block were taken at its first save. A storage resized in place since
   // then (resize_, an out= op) has other bytes: a copy of e.nbytes would leave out what a later
   // save reads, or run past a smaller block. Kept as it is, its saves read the live storage.
   if (const auto info = allocator_.Lookup(e.storage->data());
       e.storage->nbytes() != e.nbytes || !info || info->ptr != e.storage->data()) {
-    if (!e.policy_refused) CountSkip(kSkipResized);  // once: the rescue may ask again
+    CountSkipOf(e, kSkipResized);
     e.policy_refused = true;
-    return false;
+    return SpillOutcome::kRefused;
   }
   DeviceContext& dc = Device(e.device);
   absl::StatusOr<void*> host = absl::UnknownError("not tried");
@@ -318,12 +324,12 @@ bool OffloadEngine::Spill(Entry& e) {
   // other stream's failure; then this spill is not made now).
   const auto allocate = [&] { host = dc.pool.Allocate(e.nbytes); };
   if (!PoolCall(e.device, allocate) && !PoolCall(e.device, allocate)) {
-    CountSkip(kSkipCopyError);
-    return false;
+    CountSkipOf(e, kSkipCopyError);
+    return SpillOutcome::kRefused;
   }
   if (!host.ok()) {
-    CountSkip(absl::IsResourceExhausted(host.status()) ? kSkipHostLimit : kSkipNoPinned);
-    return false;
+    CountSkipOf(e, absl::IsResourceExhausted(host.status()) ? kSkipHostLimit : kSkipNoPinned);
+    return SpillOutcome::kNoHostMemory;
   }
   void* device_ptr = e.storage->data();
   try {
@@ -349,8 +355,8 @@ bool OffloadEngine::Spill(Entry& e) {
     // Nothing of this spill ran (a failing call has no effect), or only its copy, into a buffer
     // the pool reuses after the copy stream has passed it.
     FreeHostBuffer(e.device, *host, dc.d2h);
-    CountSkip(kSkipCopyError);
-    return false;
+    CountSkipOf(e, kSkipCopyError);
+    return SpillOutcome::kRefused;
   }
   // In flight from here, accounting included: a failure that the free below happens to find
   // must be able to fail this entry too.
@@ -368,7 +374,7 @@ bool OffloadEngine::Spill(Entry& e) {
   // Reuse of the device block waits for the copy: one stream use, then the free.
   allocator_.RecordStream(device_ptr, dc.d2h);
   e.storage->drop_device_memory();
-  return true;
+  return SpillOutcome::kSpilled;
 }
 
 void OffloadEngine::Reload(Entry& e, StreamRef consumer) {

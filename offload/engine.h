@@ -207,7 +207,13 @@ class OffloadEngine {
   void FailInFlight(int device, Residency in_flight, const std::string& why);
   void OnStreamError(const StreamError& error);
   void FreeHostBuffer(int device, void* host, std::optional<StreamRef> last_use);
-  bool Spill(Entry& e);
+  enum class SpillOutcome { kSpilled, kRefused, kNoHostMemory };
+  // kNoHostMemory: no pinned buffer (host_limit_mb reached, or pinning failed): no other entry
+  // of the device can be spilled now either.
+  SpillOutcome Spill(Entry& e);
+  // Counts `reason` for `e` unless it was the last reason counted for it: a policy may ask
+  // again at every allocation.
+  void CountSkipOf(Entry& e, std::string_view reason);
   // Enqueues `copy` and then `record` (its done event) on the engine's copy stream for
   // `direction` (kSpilling: device to host), sorting out failures of earlier copies found there.
   void IssueCopy(int device, Residency direction, absl::FunctionRef<void()> copy,

@@ -59,6 +59,7 @@ struct OffloadEngine::Entry {
   bool prefetched = false;          // reloaded ahead of use, not yet acquired
   bool acquiring = false;           // inside Acquire: its own prefetch must not spill it
   bool policy_refused = false;      // a spill was refused for a reason that will not change
+  std::string_view skipped_for;     // the last reason a spill was refused: counted once
   bool saved_under_off = false;     // saved in an "off" block: never spilled, whatever comes later
   // policy_refused covers saves below the min_bytes in force when they were saved, too.
   int64_t stall_since_us = 0;  // consumer is waiting since then (0 = nobody waits)

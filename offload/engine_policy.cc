@@ -1,5 +1,7 @@
 // OffloadEngine: the spill policies, prefetch, the out-of-memory rescue and the budget.
 #include <algorithm>
+#include <cstddef>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -75,7 +77,7 @@ void OffloadEngine::RunPolicy() {
   if (config_.policy == OffloadPolicy::kEager) {
     // What stays a candidate is what the program still holds: a few tensors, not the graph.
     VisitSpillCandidates(next_seq_, [&](Entry& e) {
-      if (Eligible(e) && !Spill(e)) e.policy_refused = true;
+      if (Eligible(e) && Spill(e) != SpillOutcome::kSpilled) e.policy_refused = true;
       return true;
     });
   } else if (config_.policy == OffloadPolicy::kAuto) {
@@ -98,12 +100,24 @@ void OffloadEngine::SpillToBudget(int device, size_t incoming_bytes) {
 
 size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool include_window) {
   size_t released = 0;
+  // Once no pinned buffer of some size was to be had, larger ones are not tried again in this
+  // pass: each try would cost a pinned allocation at every allocation the policy runs for.
+  size_t no_host_from = std::numeric_limits<size_t>::max();
   const auto spill = [&](Entry& e) {
+    if (e.nbytes >= no_host_from) return;
     const auto info = allocator_.Lookup(e.storage->data());
     // Refused (a prefetch keeps its host copy until read, and GiveBackPrefetches takes those; no
-    // pinned memory; a copy that could not be issued): nothing released.
-    if (!Spill(e)) return;
-    released += info ? info->size : e.nbytes;
+    // pinned memory; a copy that could not be issued; a resized storage): nothing released.
+    switch (Spill(e)) {
+      case SpillOutcome::kSpilled:
+        released += info ? info->size : e.nbytes;
+        break;
+      case SpillOutcome::kNoHostMemory:
+        no_host_from = e.nbytes;
+        break;
+      case SpillOutcome::kRefused:
+        break;
+    }
   };
   if (include_window) {
     // The rescue (an allocation would fail otherwise): any eligible entry, oldest first, the

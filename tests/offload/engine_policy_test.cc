@@ -292,6 +292,33 @@ TEST_F(OffloadPolicyTest, OffloadTwoViewsAcquiredDuringOneReloadAreOneStall) {
   EXPECT_GE(EngineStat("stall_us"), 50'000) << "the stall was timed from the second acquire";
 }
 
+// With no pinned buffer of a size to be had (here the host limit), `auto` tries no larger entry
+// in that pass, and counts each entry's refusal once (the skip counts grew by the number of
+// candidates at each allocation). A smaller entry that fits is still spilled.
+TEST_F(OffloadPolicyTest, OffloadAutoWithoutHostMemoryCountsEachRefusalOnce) {
+  OffloadConfig config = Policy(OffloadPolicy::kAuto);
+  config.budget_bytes = 8 * kMiB;
+  config.prefetch_bytes = 0;
+  config.host_limit_bytes = kMiB;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::vector<std::shared_ptr<TestStorage>> saved;
+  std::vector<KeeperId> ids;
+  for (uint32_t i = 0; i < 4; ++i) {
+    saved.push_back(NewStorage(4 * kMiB, i));
+    ids.push_back(Save(saved.back()));
+    saved.back()->holders = 0;
+  }
+  std::shared_ptr<TestStorage> small = NewStorage(kMiB / 2, 9);
+  const KeeperId small_id = Save(small);
+  small->holders = 0;
+  for (int i = 0; i < 10; ++i) allocator_->Free(allocator_->Malloc(4 * kMiB, 0, compute_));
+  EXPECT_EQ(EngineStat("skipped.host_limit"), 1) << "refusals counted per allocation";
+  EXPECT_EQ(EngineStat("num_spills"), 1);
+  for (uint32_t i = 0; i < 4; ++i) EXPECT_EQ(StateOf(saved[i]), Residency::kResident);
+  EXPECT_NE(StateOf(small), Residency::kResident);
+  EXPECT_EQ(ReadOn(compute_, engine_->Acquire(small_id, compute_), kMiB / 2), Pattern(kMiB / 2, 9));
+}
+
 // The window `auto` keeps resident follows entries as they come and go (each budget check used to
 // sum it again over every entry): at every step it is what that sum gives, the newest entries of
 // at least min_bytes whose bytes add up to at most prefetch_bytes.
