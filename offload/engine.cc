@@ -231,11 +231,18 @@ void OffloadEngine::DiscardCopies(Entry& e) {
     // The copy may still be writing the device block, and no stream need have waited for it (a
     // prefetch nobody acquired). Once freed, the block is reused in the order of the stream it
     // was allocated on, so that stream waits for the copy. (Not a stream use of the engine's
-    // copy stream: the storage may outlive the engine and its streams.)
-    try {
-      backend_.stream_wait_event(e.device, e.block_stream.handle, e.copy_done);
-    } catch (const BackendError&) {
-      // The stream cannot be ordered after the copy: wait for the copy here instead.
+    // copy stream: the storage may outlive the engine and its streams.) Where the host itself
+    // touches memory (the simulated device's CPU kernels) no stream wait orders its writes: the
+    // host waits for the copy, as it does when the stream cannot be made to wait.
+    bool ordered = false;
+    if (backend_.accesses_follow_streams()) {
+      try {
+        backend_.stream_wait_event(e.device, e.block_stream.handle, e.copy_done);
+        ordered = true;
+      } catch (const BackendError&) {
+      }
+    }
+    if (!ordered) {
       try {
         backend_.synchronize_event(e.device, e.copy_done);
       } catch (const BackendError& error) {

@@ -1,6 +1,9 @@
 // Data integrity under random operations, the proof that a missing wait is caught, and
 // concurrent registration and reloads.
+#include <chrono>
+#include <cstring>
 #include <thread>
+#include <vector>
 
 #include "tests/offload/engine_fixture.h"
 
@@ -107,6 +110,51 @@ TEST_F(OffloadIntegrity, DroppingTheConsumerWaitIsCaught) {
     engine_->RemoveKeeper(id);
     storages_.clear();
   }
+}
+
+// A prefetch dropped while its copy is queued (the storage died before backward read it): its
+// block goes back to the allocator and the next allocation may get it. On the simulated device
+// the program's CPU kernels write from the host thread, which no stream wait orders: the drop
+// waits for the copy on the host, or the copy lands on the next owner's bytes.
+TEST_F(OffloadIntegrity, ADroppedPrefetchsCopyDoesNotLandOnTheNextOwner) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 4 * kMiB;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(4 * kMiB, 21);
+  std::shared_ptr<TestStorage> b = NewStorage(4 * kMiB, 22);
+  const KeeperId ida = Save(a);
+  const KeeperId idb = Save(b);
+  a->holders = b->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(a), Residency::kSpilled);
+  auto hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+  engine_->Acquire(idb, compute_);  // b's reload, then a's prefetch, both queued behind the hold
+  ASSERT_EQ(StateOf(a), Residency::kReloading);
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    hold->Open();
+  });
+  void* prefetch_block = a->data();
+  std::erase(storages_, a);
+  a.reset();
+  engine_->RemoveKeeper(ida);  // a's storage goes, its block back to the allocator
+  // The program's next allocations, until one gets that block.
+  std::vector<void*> taken;
+  while (taken.size() < 16 && (taken.empty() || taken.back() != prefetch_block)) {
+    taken.push_back(allocator_->Malloc(4 * kMiB, 0, compute_));
+  }
+  const bool reused = taken.back() == prefetch_block;
+  const std::vector<uint8_t> fill(4 * kMiB, 0x5A);
+  if (reused) std::memcpy(taken.back(), fill.data(), fill.size());  // a CPU kernel: host thread
+  opener.join();
+  ASSERT_TRUE(reused) << "the test needs the prefetch's block handed out again";
+  engine_->Synchronize();
+  EXPECT_EQ(ReadOn(compute_, taken.back(), fill.size()), fill)
+      << "the prefetch's copy overwrote them";
+  for (void* p : taken) allocator_->Free(p);
+  b.reset();
+  engine_->RemoveKeeper(idb);
 }
 
 TEST_F(OffloadIntegrity, ConcurrentForwardAndBackwardThreads) {
