@@ -185,6 +185,7 @@ TEST_F(OffloadCopyFailure, OffloadAFailureTheLadderHeardFailsThePrefetchThatRead
 // heard once: a spill's allocation can hear of one stream's failure, and its second try of the
 // other's. Neither is the spill's, nor its caller's: the spill is not made now, nothing escapes.
 TEST_F(OffloadCopyFailure, OffloadASpillWhosePoolHearsTwoFailuresIsSkipped) {
+  accesses_follow_streams_ = true;  // dropping a's queued reload must not wait for it on the host
   OffloadConfig config = Policy(OffloadPolicy::kEager);
   config.prefetch_bytes = 0;
   Make(config, 64 * kMiB, std::chrono::microseconds{0});
@@ -240,6 +241,7 @@ TEST_F(OffloadCopyFailure, OffloadASpillWhosePoolHearsTwoFailuresIsSkipped) {
 // must not land on the next owner's bytes. Gates hold the copy stream twice: b's failing copy runs
 // when the first opens, a's copy only when the second does, after the next owner wrote.
 TEST_F(OffloadCopyFailure, OffloadAReloadFailedWithAnotherKeepsItsCopyOrdered) {
+  accesses_follow_streams_ = true;  // the stream-ordered case, as on a GPU: the drop does not wait
   OffloadConfig config = Policy(OffloadPolicy::kEager);
   config.prefetch_bytes = 0;  // each reload asked for by its own Acquire
   Make(config, 64 * kMiB, std::chrono::microseconds{0});

@@ -38,6 +38,10 @@ class OffloadEngineTest : public ::testing::Test {
  protected:
   void SetUp() override { Make(OffloadConfig{}, size_t{256} << 20, std::chrono::microseconds{0}); }
 
+  // Set before Make: the simulated device then orders every access by its stream, as a GPU
+  // does (by default the program's CPU kernels touch memory from the host thread).
+  bool accesses_follow_streams_ = false;
+
   void Make(OffloadConfig config, size_t capacity, std::chrono::microseconds jitter,
             AllocatorConfig allocator_config = {}) {
     engine_.reset();
@@ -46,6 +50,7 @@ class OffloadEngineTest : public ::testing::Test {
     SimBackend::Options options;
     options.capacity_bytes = capacity;
     options.max_jitter = jitter;
+    options.accesses_follow_streams = accesses_follow_streams_;
     backend_ = std::make_shared<SimBackend>(options);
     allocator_ = std::make_unique<CachingAllocator>(backend_, allocator_config);
     compute_ = backend_->default_stream(0);

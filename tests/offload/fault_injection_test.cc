@@ -309,6 +309,10 @@ TEST_F(OffloadFaultInjection, OffloadFailedEventDuringReload) {
 // land after their own writes; the copy stream is held so that the copy provably runs after the
 // next allocation on the prefetch's stream was made and written.
 TEST_F(OffloadFaultInjection, OffloadDropWhilePrefetchingKeepsTheCopyOrdered) {
+  // Stream-ordered, as on a GPU: the next owner's stream waits for the copy, and the drop does
+  // not block the host (OffloadIntegrity.ADroppedPrefetchsCopyDoesNotLandOnTheNextOwner covers
+  // the host-ordered case).
+  accesses_follow_streams_ = true;
   Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
   std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 61);
   std::shared_ptr<TestStorage> b = NewStorage(2 * kMiB, 62);
