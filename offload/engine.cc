@@ -506,16 +506,8 @@ void OffloadEngine::Synchronize() {
   for (auto& [seq, entry] : by_seq_) Refresh(*entry, /*wait=*/true);
   for (const auto& dc : devices_) {
     if (dc == nullptr) continue;
-    try {
-      backend_.synchronize_stream(dc->device, dc->d2h.handle);
-    } catch (const BackendError& error) {
-      FailInFlight(dc->device, Residency::kSpilling, error.what());
-    }
-    try {
-      backend_.synchronize_stream(dc->device, dc->h2d.handle);
-    } catch (const BackendError& error) {
-      FailInFlight(dc->device, Residency::kReloading, error.what());
-    }
+    WaitCopyStream(dc->device, Residency::kSpilling);
+    WaitCopyStream(dc->device, Residency::kReloading);
   }
   for (auto& [seq, entry] : by_seq_) Refresh(*entry);
   // The blocks spills gave back waited only for those copies: free them now, so that statistics

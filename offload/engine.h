@@ -221,6 +221,9 @@ class OffloadEngine {
   // Runs `call` into the device's pinned pool; a failure of earlier copies it hears of fails
   // the copies in flight (FailInFlight, both directions), and the call returns false.
   bool PoolCall(int device, absl::FunctionRef<void()> call);
+  // Waits on the host for the device's copy stream of `direction` (kSpilling: device to host);
+  // a failure found there fails the copies in flight that way.
+  void WaitCopyStream(int device, Residency direction);
   // Records `event` on a stream of the program's. A copy the program enqueued there that failed
   // is the program's error: thrown as ProgramStreamError, never blamed on the engine's copies.
   void RecordOnProgramStream(int device, EventHandle event, StreamRef stream);

@@ -89,6 +89,16 @@ void OffloadEngine::IssueCopy(int device, Residency direction, absl::FunctionRef
   }
 }
 
+void OffloadEngine::WaitCopyStream(int device, Residency direction) {
+  const DeviceContext& dc = Device(device);
+  const StreamRef stream = direction == Residency::kSpilling ? dc.d2h : dc.h2d;
+  try {
+    backend_.synchronize_stream(device, stream.handle);
+  } catch (const BackendError& error) {
+    FailInFlight(device, direction, error.what());
+  }
+}
+
 bool OffloadEngine::PoolCall(int device, absl::FunctionRef<void()> call) {
   try {
     call();

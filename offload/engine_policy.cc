@@ -166,11 +166,7 @@ size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {
     for (auto& [seq, entry] : by_seq_) {
       if (entry->device == device && entry->state == Residency::kSpilling) Refresh(*entry, true);
     }
-    try {
-      backend_.synchronize_stream(device, Device(device).d2h.handle);
-    } catch (const BackendError& error) {
-      FailInFlight(device, Residency::kSpilling, error.what());
-    }
+    WaitCopyStream(device, Residency::kSpilling);
     for (auto& [seq, entry] : by_seq_) Refresh(*entry);
   }
   return released;
