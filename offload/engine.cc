@@ -317,8 +317,9 @@ OffloadEngine::SpillOutcome OffloadEngine::Spill(Entry& e) {
   // copy them out again (GiveBackPrefetches): never a second host buffer for one entry.
   if (e.host != nullptr) return SpillOutcome::kRefused;
   // The entry's size and block were taken at its first save. A storage resized in place since
-  // then (resize_, an out= op) has other bytes: a copy of e.nbytes would leave out what a later
-  // save reads, or run past a smaller block. Kept as it is, its saves read the live storage.
+  // then (resize_, an out= op), or given other memory, has other bytes: a copy of e.nbytes would
+  // leave out what a later save reads, or run past a smaller block. Kept as it is, its saves read
+  // the live storage.
   if (const auto info = allocator_.Lookup(e.storage->data());
       e.storage->nbytes() != e.nbytes || !info || info->ptr != e.storage->data()) {
     CountSkipOf(e, kSkipResized);
@@ -381,6 +382,7 @@ OffloadEngine::SpillOutcome OffloadEngine::Spill(Entry& e) {
   // Reuse of the device block waits for the copy: one stream use, then the free.
   allocator_.RecordStream(device_ptr, dc.d2h);
   e.storage->drop_device_memory();
+  e.skipped_for = {};
   return SpillOutcome::kSpilled;
 }
 
@@ -451,6 +453,7 @@ void OffloadEngine::Reload(Entry& e, StreamRef consumer) {
 void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
   EngineLock lock(mutex_);
   Entry& e = EntryOf(id);
+  TakeHeardFailures(e.device);  // before a reload is issued, which they would fail too
   Refresh(e);
   switch (e.state) {
     case Residency::kFailed:

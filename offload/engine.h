@@ -187,8 +187,14 @@ class OffloadEngine {
   // Counts a stall on `e` (backward waits for its reload) and when it began, once per reload.
   void StartStall(Entry& e);
   // Whether `copy` (of `e`, in `direction`) has completed; a failure it reports fails the entries
-  // in flight in that direction (FailInFlight) and counts as not done.
+  // in flight in that direction (FailInFlight) and counts as not done. Before it trusts a
+  // completed copy it takes the failures the allocator heard (TakeHeardFailures): false if they
+  // failed `e`.
   bool CopyDone(Entry& e, EventHandle copy, Residency direction, bool wait);
+  // Has the allocator pass on, now, the copy-stream failures of `device` it heard and has not
+  // passed on yet (OnStreamError). Called before copies are issued, which a failure heard
+  // earlier must not fail, and before a completed copy is trusted.
+  void TakeHeardFailures(int device);
   // Throws the error of an entry whose bytes are lost (kFailed).
   [[noreturn]] static void ThrowLost(const Entry& e);
   bool Eligible(const Entry& e) const;

@@ -61,8 +61,13 @@ bool OffloadEngine::CopyDone(Entry& e, EventHandle copy, Residency direction, bo
   // The allocator may have heard of this copy's failure first (its event for a block a spill
   // gave back) and not passed it on yet: inside its out-of-memory ladder, which asks the engine
   // for memory before it returns. Heard of here, the failure marks the entry failed.
-  allocator_.DeliverStreamErrors(e.device);
+  TakeHeardFailures(e.device);
   return e.state != Residency::kFailed;
+}
+
+void OffloadEngine::TakeHeardFailures(int device) {
+  // OnStreamError, called back on this thread (the engine's lock is recursive).
+  allocator_.DeliverStreamErrors(device);
 }
 
 void OffloadEngine::IssueCopy(int device, Residency direction, absl::FunctionRef<void()> copy,

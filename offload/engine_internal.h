@@ -59,9 +59,11 @@ struct OffloadEngine::Entry {
   bool prefetched = false;          // reloaded ahead of use, not yet acquired
   bool acquiring = false;           // inside Acquire: its own prefetch must not spill it
   bool policy_refused = false;      // a spill was refused for a reason that will not change
-  std::string_view skipped_for;     // the last reason a spill was refused: counted once
   bool saved_under_off = false;     // saved in an "off" block: never spilled, whatever comes later
   // policy_refused covers saves below the min_bytes in force when they were saved, too.
+  // The reason of the last refused spill, counted when it was refused; cleared by a spill, so
+  // that a refusal after one counts again.
+  std::string_view skipped_for;
   int64_t stall_since_us = 0;  // consumer is waiting since then (0 = nobody waits)
   std::string failure;         // why the bytes are lost (state kFailed)
   // Reloaded while still spilling: the D2H copy the reload reads from, until seen complete. Its

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <limits>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -74,6 +75,9 @@ void OffloadEngine::RunPolicy() {
   EngineLock lock(mutex_);
   if (in_policy_) return;
   PolicyScope scope(in_policy_);
+  for (const auto& dc : devices_) {
+    if (dc != nullptr) TakeHeardFailures(dc->device);
+  }
   if (config_.policy == OffloadPolicy::kEager) {
     // What stays a candidate is what the program still holds: a few tensors, not the graph.
     VisitSpillCandidates(next_seq_, [&](Entry& e) {
@@ -103,8 +107,12 @@ size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool incl
   // Once no pinned buffer of some size was to be had, larger ones are not tried again in this
   // pass: each try would cost a pinned allocation at every allocation the policy runs for.
   size_t no_host_from = std::numeric_limits<size_t>::max();
+  std::string_view no_host_reason;
   const auto spill = [&](Entry& e) {
-    if (e.nbytes >= no_host_from) return;
+    if (e.nbytes >= no_host_from) {
+      CountSkipOf(e, no_host_reason);  // kept on the device for that reason all the same
+      return;
+    }
     const auto info = allocator_.Lookup(e.storage->data());
     // Refused (a prefetch keeps its host copy until read, and GiveBackPrefetches takes those; no
     // pinned memory; a copy that could not be issued; a resized storage): nothing released.
@@ -114,6 +122,7 @@ size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool incl
         break;
       case SpillOutcome::kNoHostMemory:
         no_host_from = e.nbytes;
+        no_host_reason = e.skipped_for;
         break;
       case SpillOutcome::kRefused:
         break;
@@ -145,6 +154,9 @@ size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {
   // Inside a policy step the allocation is a prefetch's (nothing else there allocates device
   // memory): a guess, which stops when memory runs out rather than push other saves out.
   if (in_policy_) return 0;
+  // The ladder that calls this may have heard of a copy's failure: settle it before any spill
+  // below is issued, or it would fail those too once heard.
+  TakeHeardFailures(device);
   const size_t allocated = AllocatedBytes(device);
   const size_t target = allocated > bytes ? allocated - bytes : 0;
   size_t released = 0;
@@ -204,6 +216,7 @@ void OffloadEngine::OnPressure(int device, size_t incoming_bytes) {
   EngineLock lock(mutex_);
   if (in_policy_ || config_.policy != OffloadPolicy::kAuto) return;
   PolicyScope scope(in_policy_);
+  TakeHeardFailures(device);
   SpillToBudget(device, incoming_bytes);
 }
 

@@ -17,7 +17,7 @@ inline constexpr std::string_view kSkipHostLimit = "host_limit";  // host_limit_
 inline constexpr std::string_view kSkipForeign = "not_spillway";  // not allocated by Spillway
 inline constexpr std::string_view kSkipEmpty = "empty";           // zero-byte storage
 inline constexpr std::string_view kSkipCopyError = "copy_error";  // a copy could not be enqueued
-// Resized (resize_, an out= op) after its first save: the entry's size and block are stale.
+// Resized (resize_, an out= op) or given other memory after its first save: the entry is stale.
 inline constexpr std::string_view kSkipResized = "resized";
 
 struct OffloadStats {

@@ -235,6 +235,44 @@ TEST_F(OffloadCopyFailure, OffloadASpillWhosePoolHearsTwoFailuresIsSkipped) {
   DropAllAndExpectNoLeaks({idc, idd});
 }
 
+// A failure the ladder heard before it asked the engine for memory belongs to the copies in
+// flight then; the spills the rescue issues afterwards are healthy. Passed on only when the
+// rescue waited for its spills, it failed them too.
+TEST_F(OffloadCopyFailure, OffloadAFailureTheLadderHeardSparesTheRescuesOwnSpills) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 0;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 84);
+  // Made now: an allocation after the failing copy has run would hear of it first.
+  std::shared_ptr<TestStorage> c = NewStorage(8 * kMiB, 85);
+  const KeeperId ida = Save(a);
+  {
+    auto hold = backend_->hold_stream(0, compute_.handle);  // a's spill copy waits behind it
+    a->holders = 0;
+    WithNextCopyFailing([&] { engine_->ForwardEnd(); });  // a's copy to the host
+    ASSERT_EQ(StateOf(a), Residency::kSpilling);
+  }
+  DrainWithoutLooking();         // the failing copy has run; nobody has heard of it
+  const KeeperId idc = Save(c);  // saved after the policy ran: left for the rescue
+  c->holders = 0;
+  // More than is free: the ladder's wait for a's old block hears of the failure, then the
+  // engine is asked for memory and spills c.
+  void* p = nullptr;
+  try {
+    p = allocator_->Malloc(60 * kMiB, 0, compute_);
+  } catch (const OutOfMemoryError&) {
+    // Whether it fits is not the point.
+  }
+  EXPECT_EQ(StateOf(a), Residency::kFailed);
+  if (p != nullptr) allocator_->Free(p);
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(c), Residency::kSpilled) << "the rescue's healthy spill was failed too";
+  EXPECT_EQ(AcquireAndRead(idc, 8 * kMiB), Pattern(8 * kMiB, 85));
+  a.reset();
+  c.reset();
+  DropAllAndExpectNoLeaks({ida, idc});
+}
+
 // One reload's failure fails every reload in flight, healthy ones included (which one failed is
 // not known). A healthy one still queued, that no stream waits for yet (a prefetch's, say), must
 // keep its block until its copy has run: dropped now, its block is handed out again, and the copy

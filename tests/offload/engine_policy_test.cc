@@ -292,8 +292,8 @@ TEST_F(OffloadPolicyTest, OffloadTwoViewsAcquiredDuringOneReloadAreOneStall) {
   EXPECT_GE(EngineStat("stall_us"), 50'000) << "the stall was timed from the second acquire";
 }
 
-// With no pinned buffer of a size to be had (here the host limit), `auto` tries no larger entry
-// in that pass, and counts each entry's refusal once (the skip counts grew by the number of
+// With no pinned buffer of a size to be had (here the host limit), `auto` tries no entry as large
+// in that pass, and counts each entry kept for it once (the skip counts grew by the number of
 // candidates at each allocation). A smaller entry that fits is still spilled.
 TEST_F(OffloadPolicyTest, OffloadAutoWithoutHostMemoryCountsEachRefusalOnce) {
   OffloadConfig config = Policy(OffloadPolicy::kAuto);
@@ -312,7 +312,7 @@ TEST_F(OffloadPolicyTest, OffloadAutoWithoutHostMemoryCountsEachRefusalOnce) {
   const KeeperId small_id = Save(small);
   small->holders = 0;
   for (int i = 0; i < 10; ++i) allocator_->Free(allocator_->Malloc(4 * kMiB, 0, compute_));
-  EXPECT_EQ(EngineStat("skipped.host_limit"), 1) << "refusals counted per allocation";
+  EXPECT_EQ(EngineStat("skipped.host_limit"), 4) << "one per storage kept, not per allocation";
   EXPECT_EQ(EngineStat("num_spills"), 1);
   for (uint32_t i = 0; i < 4; ++i) EXPECT_EQ(StateOf(saved[i]), Residency::kResident);
   EXPECT_NE(StateOf(small), Residency::kResident);
