@@ -58,7 +58,7 @@ def _warn_conflicts(sources):
     seen = {}
     for var, item in sources:
         key, _, value = (part.strip() for part in item.partition(":"))
-        if key in seen and seen[key][1] != value:
+        if key in seen and seen[key][1].lower() != value.lower():
             first_var, first_value = seen[key]
             print(f"spillway: {key} is given twice, {key}:{first_value} in {first_var} and "
                   f"{key}:{value} in {var}; using {key}:{value}", file=sys.stderr)
@@ -87,6 +87,8 @@ def _set_or_unset(var, value):
 
 
 _pending = None  # the configuration string to install once torch is importable
+# (variable, item) of every item the merged string takes, in its order: for _warn_conflicts.
+_sources = []
 # (variable, item) pairs of honoured PyTorch keys from variables that do not name Spillway.
 _borrowed = []
 # SPILLWAY_ALLOC_CONF as the user set it (None: unset), put back if the install fails.
@@ -136,7 +138,8 @@ def _run():
     own = (_user_conf or "").strip()
     sources.extend(_borrowed)
     sources.extend(("SPILLWAY_ALLOC_CONF", item) for item in _items(own) if own)
-    _warn_conflicts(sources)
+    global _sources
+    _sources = sources  # warned of once the borrowed items are checked (finish_pending)
     conf = ",".join(p for p in parts + [item for _, item in _borrowed] + [own] if p)
     # The process allocator of libspillway_alloc.so reads SPILLWAY_ALLOC_CONF on first use: give
     # it the merged string, so every entry point sees the same configuration. If the install
@@ -188,6 +191,7 @@ def finish_pending():
     import spillway
     from spillway import _C
 
+    ignored = []
     for var, item in _borrowed:
         try:
             _C.describe_config(item)
@@ -195,6 +199,8 @@ def finish_pending():
             print(f"spillway: ignoring {item!r} of {var}: {error}", file=sys.stderr)
             conf = ",".join(i for i in _items(conf) if i != item)
             os.environ["SPILLWAY_ALLOC_CONF"] = conf
+            ignored.append((var, item))
+    _warn_conflicts([source for source in _sources if source not in ignored])
 
     try:
         info = _C.describe_config(conf)

@@ -1,5 +1,6 @@
 """The public functions of `spillway`; argument checks happen here, the work in `spillway._C`."""
 
+import collections
 import contextlib
 import numbers
 import os
@@ -135,10 +136,12 @@ class _Kept:
         self.tensor = tensor.detach()
         self.version = tensor._version
         # release() must see this save, as the engine's keepers show it the others.
-        ptr = _storage_ptr(self.tensor)
-        if ptr:
-            _kept_storages[ptr] = _kept_storages.get(ptr, 0) + 1
-            weakref.finalize(self, _forget_kept, ptr)
+        key = _storage_key(self.tensor)
+        if key:
+            with _kept_lock:
+                _settle_kept()
+                _kept_counts[key] = _kept_counts.get(key, 0) + 1
+            weakref.finalize(self, _kept_gone.append, key)
 
     def unpack(self):
         if self.tensor._version != self.version:
@@ -151,25 +154,38 @@ class _Kept:
         return self.tensor
 
 
-# Storage address -> how many saves kept as they are (_Kept) hold that storage now.
-_kept_storages = {}
+# Storage (its StorageImpl's address, stable while a _Kept holds it) -> how many saves kept as
+# they are hold it now. Finalizers only queue their key (they may run on any thread, or inside
+# the locked region when a collection starts there); the counts change under the lock.
+_kept_lock = threading.Lock()
+_kept_counts = {}
+_kept_gone = collections.deque()
 
 
-def _forget_kept(ptr):
-    left = _kept_storages.get(ptr, 0) - 1
-    if left > 0:
-        _kept_storages[ptr] = left
-    else:
-        _kept_storages.pop(ptr, None)
+def _settle_kept():
+    while _kept_gone:
+        key = _kept_gone.popleft()
+        left = _kept_counts.get(key, 0) - 1
+        if left > 0:
+            _kept_counts[key] = left
+        else:
+            _kept_counts.pop(key, None)
 
 
-def _storage_ptr(tensor):
-    """The address of the tensor's storage (0: none, or a subclass without one, a wrapper)."""
+def _kept_saves_of(tensor):
+    key = _storage_key(tensor)
+    with _kept_lock:
+        _settle_kept()
+        return _kept_counts.get(key, 0) if key else 0
+
+
+def _storage_key(tensor):
+    """The identity of the tensor's storage (0: none to be had, as for a wrapper subclass)."""
     try:
         storage = tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else \
             tensor.storage()
-        return storage.data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):
+        return storage._cdata
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
         return 0
 
 
@@ -353,7 +369,7 @@ def release(tensor, force=False):
     _check_tensor("release", tensor)
     force = _check_bool("force", force)
     _require_installed("release")
-    kept = _kept_storages.get(_storage_ptr(tensor), 0)
+    kept = _kept_saves_of(tensor)
     if kept and not force:
         # Saves of tensor subclasses, which Spillway keeps as they are in Python: the engine
         # does not know them, and backward would read freed memory (a crash, not an error).
@@ -386,7 +402,11 @@ def record_history(enabled=True, max_entries=100000, stacks="python"):
             raise ValueError(f"enabled must be True, False, 'all' or None, got {enabled!r}")
         enabled = enabled == "all"
     else:
-        enabled = _check_bool("enabled", enabled)
+        try:
+            enabled = _check_bool("enabled", enabled)
+        except ValueError:
+            raise ValueError(f"enabled must be True, False, 'all' or None, got {enabled!r}") \
+                from None
     if stacks == "all":
         raise ValueError("stacks='all' (Python and C++ frames) is not supported: Spillway records "
                          "Python frames only; pass 'python' or 'none'")

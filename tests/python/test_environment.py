@@ -100,6 +100,18 @@ def test_a_key_given_two_values_is_warned_of():
     assert out["spills"] == "0"
 
 
+def test_a_borrowed_value_that_is_skipped_is_no_conflict():
+    """Review: the conflict warning named a borrowed value as the one used, which was then
+    skipped as invalid."""
+    env = {"PYTHONUSERBASE": SITE,
+           "PYTORCH_CUDA_ALLOC_CONF": "backend:spillway,device:sim,max_split_size_mb:32",
+           "PYTORCH_ALLOC_CONF": "max_split_size_mb:64MB"}
+    result = run_script(PLAIN_SCRIPT, env=env)
+    assert "is given twice" not in result.stderr, result.stderr
+    assert "spillway: ignoring 'max_split_size_mb:64MB' of PYTORCH_ALLOC_CONF" in result.stderr
+    assert lines_of(result)["max_split_size"] == str(32 << 20)
+
+
 def test_a_pytorch_value_spillway_refuses_is_skipped_when_borrowed():
     """A variable that does not name Spillway lends its honoured keys; one whose value Spillway's
     stricter parser refuses (PyTorch reads "64MB" as 64) is skipped with a warning rather than

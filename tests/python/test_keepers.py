@@ -104,6 +104,19 @@ def test_release_refuses_a_storage_a_kept_subclass_save_needs():
     assert spillway.release(t)["freed_bytes"] == 64 * 4
 
 
+def test_a_forced_release_of_a_kept_storage_leaves_its_next_owner_free_to_release():
+    """Review: kept saves were counted by address; after a forced release the next tensor given
+    that block was refused as if the kept save were its own."""
+    w = torch.randn(64, requires_grad=True)
+    t = torch.randn(64)
+    with spillway.offload("eager", min_bytes=0):
+        loss = (w * t.as_subclass(Tagged)).sum()
+    spillway.release(t, force=True)
+    x = torch.zeros(64)  # the caching allocator hands it the freed block
+    assert spillway.release(x)["freed_bytes"] == 64 * 4
+    del loss
+
+
 def test_release_refuses_a_tensor_that_requires_grad():
     """User review: release(y) of an output that autograd saved outside Spillway's hooks crashed
     the process at backward; a parameter released broke the next forward."""
