@@ -214,8 +214,8 @@ class OffloadEngine {
   void OnStreamError(const StreamError& error);
   void FreeHostBuffer(int device, void* host, std::optional<StreamRef> last_use);
   enum class SpillOutcome { kSpilled, kRefused, kNoHostMemory };
-  // kNoHostMemory: no pinned buffer (host_limit_mb reached, or pinning failed): no other entry
-  // of the device can be spilled now either.
+  // kNoHostMemory: no pinned buffer of the entry's size (host_limit_mb reached, or pinning
+  // failed): no entry of the device as large can be spilled in this pass either.
   SpillOutcome Spill(Entry& e);
   // Counts `reason` for `e` unless it was the last reason counted for it: a policy may ask
   // again at every allocation.
