@@ -173,11 +173,19 @@ void CachingAllocator::DeliverStreamErrors(int device) {
 }
 
 void CachingAllocator::DispatchStreamErrors(DeviceAllocator& device) {
-  const std::vector<StreamError> errors = device.TakeStreamErrors();
-  const auto observer = stream_error_observer_.Get();
-  const CallbackGuard::Call call(callback_guard_, observer.get());
-  if (!call) return;
-  for (const StreamError& error : errors) observer->fn(error);
+  // Pending until this delivery is over: the observer may wait here for a lock held by a thread
+  // that asks for the device's errors meanwhile (DeliverStreamErrors), and that thread must not
+  // find them gone. It gets them too; the observer acts on each once (StreamError::seq).
+  const std::vector<StreamError> errors = device.PendingStreamErrors();
+  if (errors.empty()) return;
+  {
+    const auto observer = stream_error_observer_.Get();
+    const CallbackGuard::Call call(callback_guard_, observer.get());
+    if (call) {
+      for (const StreamError& error : errors) observer->fn(error);
+    }
+  }
+  device.RetireStreamErrors(errors.back().seq);
 }
 
 void CachingAllocator::SetMemoryFraction(double fraction, int device) {

@@ -94,11 +94,13 @@ class CachingAllocator {
   void SetWatermarkFraction(int device, double fraction);
 
   // Told of StreamErrors (failed asynchronous work found while processing stream uses), outside
-  // every allocator lock. The offload engine uses it to fail the copies it had in flight.
+  // every allocator lock, possibly more than once each (see StreamError::seq). The offload
+  // engine uses it to fail the copies it had in flight.
   using StreamErrorObserver = std::function<void(const StreamError&)>;
   void SetStreamErrorObserver(StreamErrorObserver observer);
   // Passes to the observer, now, the errors of `device` found and not yet passed on (a call
-  // found them, and passes them on only as it returns). Call it with no allocator lock held.
+  // found them, and passes them on only as it returns), those another thread is passing on
+  // included. Call it with no allocator lock held.
   void DeliverStreamErrors(int device);
 
   // Out-of-memory ladder step: see FreeMemoryCallback. Returns an id for removal.

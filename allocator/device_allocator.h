@@ -43,6 +43,12 @@ struct StreamError {
   int device = 0;
   uint64_t stream = 0;  // StreamRef::id
   std::string message;
+  // Which device's allocator found it, and its number there (from 1, in the order found). An
+  // error stays pending until a delivery of it is over, so that a thread that asks for the
+  // errors while another is delivering them (and waits for a lock that thread holds) gets them
+  // too: an observer may be told of one error more than once, and acts on each number once.
+  int found_by = 0;
+  uint64_t seq = 0;
 };
 
 struct AllocationInfo {
@@ -125,9 +131,11 @@ class DeviceAllocator {
   size_t MetadataBytes() const;
   // Completes pending stream-use frees whose events have fired. Malloc does this on its own.
   void ProcessEvents();
-  // Stream errors seen while processing events since the last call (see StreamError).
+  // Stream errors seen while processing events and not yet retired (see StreamError).
   bool has_stream_errors() const { return has_stream_errors_.load(std::memory_order_relaxed); }
-  std::vector<StreamError> TakeStreamErrors();
+  std::vector<StreamError> PendingStreamErrors() const;
+  // Drops the pending errors numbered up to `seq`: their delivery is over.
+  void RetireStreamErrors(uint64_t seq);
   int device() const { return device_; }
 
  private:
@@ -202,7 +210,7 @@ class DeviceAllocator {
   // and its fallback when no event can be recorded. False when even that fails (the block must
   // then never be reused).
   bool WaitOnHost(int device, const StreamRef& use);
-  // Keeps a failure of work on `stream` (of `device`) for its owner (TakeStreamErrors).
+  // Keeps a failure of work on `stream` (of `device`) for its owner (PendingStreamErrors).
   void NoteStreamError(int device, uint64_t stream, const BackendError& error);
   void Trace(TraceAction action, uintptr_t addr, size_t size, uint64_t stream,
              TraceContext context);
@@ -251,8 +259,9 @@ class DeviceAllocator {
   mutable bool limit_resolved_ = true;
   int64_t clock_ = 0;  // counts segment allocations, ages free segments for GC
   std::atomic<size_t> watermark_{std::numeric_limits<size_t>::max()};
-  double watermark_fraction_ = 0.0;  // 0: watermark_ is in bytes as set
-  std::vector<StreamError> stream_errors_;
+  double watermark_fraction_ = 0.0;         // 0: watermark_ is in bytes as set
+  std::vector<StreamError> stream_errors_;  // pending, in the order found
+  uint64_t stream_errors_found_ = 0;
   std::atomic<bool> has_stream_errors_{false};
 };
 

@@ -140,14 +140,20 @@ bool DeviceAllocator::UseIsOver(uint64_t stream, EventHandle event, bool wait) {
 }
 
 void DeviceAllocator::NoteStreamError(int device, uint64_t stream, const BackendError& error) {
-  stream_errors_.push_back(StreamError{device, stream, error.what()});
+  stream_errors_.push_back(
+      StreamError{device, stream, error.what(), device_, ++stream_errors_found_});
   has_stream_errors_.store(true, std::memory_order_relaxed);
 }
 
-std::vector<StreamError> DeviceAllocator::TakeStreamErrors() {
+std::vector<StreamError> DeviceAllocator::PendingStreamErrors() const {
   std::lock_guard lock(mutex_);
-  has_stream_errors_.store(false, std::memory_order_relaxed);
-  return std::exchange(stream_errors_, {});
+  return stream_errors_;
+}
+
+void DeviceAllocator::RetireStreamErrors(uint64_t seq) {
+  std::lock_guard lock(mutex_);
+  std::erase_if(stream_errors_, [&](const StreamError& error) { return error.seq <= seq; });
+  has_stream_errors_.store(!stream_errors_.empty(), std::memory_order_relaxed);
 }
 
 EventHandle DeviceAllocator::TakeEvent() {

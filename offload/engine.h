@@ -262,6 +262,9 @@ class OffloadEngine {
   absl::flat_hash_map<const void*, std::unique_ptr<Entry>> entries_;
   absl::flat_hash_map<KeeperId, Entry*> keepers_;
   absl::btree_map<uint64_t, Entry*> by_seq_;  // save order
+  // Per allocator that found them, the number (StreamError::seq) of the last copy-stream failure
+  // acted on: one can be told more than once, and acting twice would fail later, healthy copies.
+  absl::flat_hash_map<int, uint64_t> stream_errors_acted_on_;
   // Parts of by_seq_, so that what runs at every save or unpack visits only entries it may act
   // on (a walk over all of them made a long graph's bookkeeping quadratic). Visits go by seq
   // cursor, not iterator: a spill or reload can run the rescue, which changes these maps.

@@ -43,6 +43,11 @@ void OffloadEngine::FailInFlight(int device, Residency in_flight, const std::str
 
 void OffloadEngine::OnStreamError(const StreamError& error) {
   EngineLock lock(mutex_);
+  // Told again by a thread that was delivering it while this engine took it (TakeHeardFailures):
+  // the copies in flight now came after it.
+  uint64_t& acted_on = stream_errors_acted_on_[error.found_by];
+  if (error.seq <= acted_on) return;
+  acted_on = error.seq;
   if (error.device < 0 || error.device >= static_cast<int>(devices_.size())) return;
   const DeviceContext* dc = devices_[static_cast<size_t>(error.device)].get();
   if (dc == nullptr) return;
@@ -66,7 +71,8 @@ bool OffloadEngine::CopyDone(Entry& e, EventHandle copy, Residency direction, bo
 }
 
 void OffloadEngine::TakeHeardFailures(int device) {
-  // OnStreamError, called back on this thread (the engine's lock is recursive).
+  // OnStreamError, called back on this thread (the engine's lock is recursive). Those another
+  // thread has found and waits for this lock to pass on are among them.
   allocator_.DeliverStreamErrors(device);
 }
 

@@ -1,6 +1,9 @@
 // Stream-ordered reuse: blocks are reused only on their allocation stream, and a block used on
 // other streams (record_stream) is reused only after those streams' work up to the free is done.
+#include <atomic>
 #include <chrono>
+#include <future>
+#include <mutex>
 #include <thread>
 
 #include "tests/allocator/sim_fixture.h"
@@ -147,6 +150,50 @@ TEST_F(StreamReuseTest, FailedWorkOnAUseStreamReachesTheObserverNotTheCaller) {
   EXPECT_EQ(seen[0].stream, other.id);
   EXPECT_NE(seen[0].message.find("injected copy failure"), std::string::npos);
   EXPECT_EQ(Stat("active.all.current"), 0);  // the block came back
+}
+
+// An error stays pending while it is being delivered: a thread that asks for the device's errors
+// meanwhile (the offload engine, holding the lock the first delivery waits for) is told of it
+// too, under the same number, so that it can act on it once; when both are over it is gone.
+TEST_F(StreamReuseTest, AnErrorBeingDeliveredReachesWhoeverAsksMeanwhile) {
+  const StreamRef other = backend_->create_stream(0);
+  std::mutex seen_mutex;
+  std::vector<StreamError> seen;
+  std::atomic<int> calls{0};
+  std::promise<void> second_told;
+  const std::shared_future<void> second_told_future = second_told.get_future().share();
+  allocator_->SetStreamErrorObserver([&](const StreamError& e) {
+    {
+      const std::lock_guard lock(seen_mutex);
+      seen.push_back(e);
+    }
+    if (calls.fetch_add(1) == 0) second_told_future.wait();  // the first waits, as on a lock
+  });
+  void* p = Alloc(4096, stream_);
+  std::vector<char> host(4096);
+  backend_->fail_copy_after(1);
+  backend_->memcpy_async(0, host.data(), p, 4096, CopyKind::kDeviceToHost, other.handle);
+  allocator_->RecordStream(p, other);
+  allocator_->Free(p);
+  std::thread first([&] {
+    for (int i = 0; i < 2000 && calls.load() == 0; ++i) {
+      allocator_->ProcessEvents(0);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  for (int i = 0; i < 4000 && calls.load() == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(calls.load(), 1) << "the failing copy's error was never found";
+  allocator_->DeliverStreamErrors(0);  // while the first delivery is still under way
+  second_told.set_value();
+  first.join();
+  ASSERT_EQ(seen.size(), 2u) << "an error being delivered was gone for another thread";
+  EXPECT_EQ(seen[0].seq, seen[1].seq);
+  EXPECT_EQ(seen[0].found_by, 0);
+  EXPECT_EQ(seen[1].stream, other.id);
+  allocator_->DeliverStreamErrors(0);
+  EXPECT_EQ(seen.size(), 2u) << "an error delivered was still pending";
 }
 
 }  // namespace

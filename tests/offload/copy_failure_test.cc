@@ -181,6 +181,113 @@ TEST_F(OffloadCopyFailure, OffloadAFailureTheLadderHeardFailsThePrefetchThatRead
   DropAllAndExpectNoLeaks({ida, idb});
 }
 
+// The same failure heard on another thread: an allocation there found it (its wait for a's old
+// block), and waits to pass it on while the engine, on this thread, waits for another copy under
+// its lock and then looks at a's. The failure is still pending until passed on, and the engine
+// must take it: a must fail, not pass for resident with a host buffer that was never filled.
+TEST_F(OffloadCopyFailure, OffloadAFailureAnotherThreadIsPassingOnFailsTheReloadThatReadIt) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 0;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> x = NewStorage(12 * kMiB, 86);  // saved first: refreshed first
+  std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 87);
+  const KeeperId idx = Save(x);
+  const KeeperId ida = Save(a);
+  x->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(x), Residency::kSpilled);
+  auto h2d_hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+  // a's spill copy waits behind this one: nobody can hear of its failure before the allocation
+  // made for that below.
+  auto compute_hold = backend_->hold_stream(0, compute_.handle);
+  // x's copy back waits behind the hold; its consumer is another stream, so that the compute
+  // stream (which a's spill waits for) does not wait for it.
+  engine_->Acquire(idx, backend_->create_stream(0));
+  a->holders = 0;
+  WithNextCopyFailing([&] { engine_->ForwardEnd(); });  // a's copy to the host
+  engine_->Acquire(ida, compute_);  // a's copy back, queued after x's, reads that spill
+  ASSERT_EQ(StateOf(a), Residency::kReloading);
+  // The device is full but for a's old block, pending on the spill.
+  void* filler = allocator_->Malloc(64 * kMiB - backend_->bytes_in_use(0), 0, compute_);
+  ASSERT_EQ(backend_->bytes_in_use(0), 64 * kMiB);
+
+  // The engine waits for x's copy under its lock, then looks at a's spill.
+  std::thread engine_thread([&] { engine_->Synchronize(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  compute_hold->Open();  // a's spill copy runs, and fails
+  // This allocation waits for a's old block, hears of the failure, gets the block and then waits
+  // for the engine's lock to pass the failure on; the hold opens meanwhile. (Should the threads
+  // run in another order, the failure reaches a's entry all the same.)
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    h2d_hold->Open();
+  });
+  void* p = allocator_->Malloc(12 * kMiB, 0, compute_);
+  opener.join();
+  engine_thread.join();
+  EXPECT_EQ(StateOf(a), Residency::kFailed) << "a passed for resident with bytes never copied";
+  ExpectLost(ida);
+  allocator_->Free(p);
+  allocator_->Free(filler);
+  EXPECT_EQ(AcquireAndRead(idx, 12 * kMiB), Pattern(12 * kMiB, 86));
+  x.reset();
+  a.reset();
+  DropAllAndExpectNoLeaks({idx, ida});
+}
+
+// The other order: the engine takes a failure that another thread found and is still passing
+// on, then issues a spill, and that thread's delivery comes after. The failure was acted on
+// already: told again, the engine must not fail the new spill, which came after it.
+TEST_F(OffloadCopyFailure, OffloadAFailureToldTwiceIsActedOnOnce) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 0;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 88);
+  // Made now: an allocation after the failing copy has run would hear of it first.
+  std::shared_ptr<TestStorage> c = NewStorage(2 * kMiB, 89);
+  const KeeperId ida = Save(a);
+  {
+    auto hold = backend_->hold_stream(0, compute_.handle);  // a's spill copy waits behind it
+    a->holders = 0;
+    WithNextCopyFailing([&] { engine_->ForwardEnd(); });  // a's copy to the host
+    ASSERT_EQ(StateOf(a), Residency::kSpilling);
+  }
+  DrainWithoutLooking();  // the failing copy has run; nobody has heard of it
+  // c's spill waits for its producer, held: it stays in flight until the end.
+  const StreamRef side = backend_->create_stream(0);
+  auto side_hold = backend_->hold_stream(0, side.handle);
+  c->holders = 0;
+  // The save of c holds the engine's lock while its storage is made (slowly, here): meanwhile an
+  // allocation hears of the failure and waits for that lock to pass it on. The save's policy run
+  // then takes the failure, and spills c.
+  KeeperId idc = 0;
+  std::thread saver([&] {
+    idc = engine_
+              ->AddKeeper(
+                  c.get(),
+                  [&] {
+                    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+                    return c;
+                  },
+                  FloatView(c->nbytes()), side)
+              .value();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  void* p = allocator_->Malloc(kMiB, 0, compute_);  // polls a's old block: hears of the failure
+  saver.join();
+  EXPECT_EQ(StateOf(a), Residency::kFailed);
+  ASSERT_NE(StateOf(c), Residency::kFailed) << "a failure heard before c's spill failed it";
+  side_hold->Open();
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(c), Residency::kSpilled);
+  EXPECT_EQ(AcquireAndRead(idc, 2 * kMiB), Pattern(2 * kMiB, 89));
+  allocator_->Free(p);
+  a.reset();
+  c.reset();
+  DropAllAndExpectNoLeaks({ida, idc});
+}
+
 // The pinned pool polls the buffers that wait for each copy stream, and each stream's failure is
 // heard once: a spill's allocation can hear of one stream's failure, and its second try of the
 // other's. Neither is the spill's, nor its caller's: the spill is not made now, nothing escapes.
