@@ -253,7 +253,14 @@ void OffloadEngine::SetConfig(const OffloadConfig& config) {
   // Entries saved so far keep the minimum size of the block they were saved in (offload blocks
   // nest, and each one sets the configuration as it starts and ends).
   const bool new_window = config.prefetch_bytes != config_.prefetch_bytes;
+  const bool new_host_limit = config.host_limit_bytes != config_.host_limit_bytes;
   config_ = config;
+  // Pools made from now on take the limit from config_; those made already are told.
+  if (new_host_limit) {
+    for (const auto& dc : devices_) {
+      if (dc != nullptr) PoolCall(dc->device, [&] { dc->pool.SetLimit(config_.host_limit_bytes); });
+    }
+  }
   if (new_window) {
     for (Window& w : windows_) {
       w.start = Window::kEmpty;

@@ -118,6 +118,12 @@ void PinnedPool::Trim() {
   TrimLocked();
 }
 
+void PinnedPool::SetLimit(size_t limit_bytes) {
+  std::lock_guard lock(mu_);
+  limit_bytes_ = limit_bytes;
+  if (limit_bytes_ != 0 && reserved_ > limit_bytes_) TrimLocked();
+}
+
 size_t PinnedPool::reserved_bytes() const {
   std::lock_guard lock(mu_);
   return reserved_;

@@ -92,6 +92,11 @@ class PinnedPool {
   // events have completed as free.
   void Trim();
 
+  // Caps the pinned bytes held from the backend from now on (0 = no limit). Lowered under what is
+  // reserved, it returns the wholly free chunks (as Trim); buffers handed out stay valid, and the
+  // pool grows again only once enough of them came back.
+  void SetLimit(size_t limit_bytes);
+
   // Pinned bytes held from the backend.
   size_t reserved_bytes() const;
   // Bytes of buffers handed out and not yet reusable (live, or freed with work still pending).
@@ -143,9 +148,9 @@ class PinnedPool {
   Backend& backend_;
   const int device_;
   const size_t grow_bytes_;  // rounded to kGranule
-  const size_t limit_bytes_;
-
   mutable std::mutex mu_;
+  size_t limit_bytes_;  // SetLimit may change it
+
   // Declared before the events so that members are destroyed events first, chunks last.
   absl::flat_hash_map<uintptr_t, UniqueHostBuffer> chunks_;  // by base address
   absl::btree_map<uintptr_t, Block> blocks_;                 // every block, by address

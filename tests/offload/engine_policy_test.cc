@@ -319,6 +319,41 @@ TEST_F(OffloadPolicyTest, OffloadAutoWithoutHostMemoryCountsEachRefusalOnce) {
   EXPECT_EQ(ReadOn(compute_, engine_->Acquire(small_id, compute_), kMiB / 2), Pattern(kMiB / 2, 9));
 }
 
+// A host limit set after the device's pinned pool exists applies to it (the pool took its limit
+// when made, and kept it): spills that would pass it are refused, and lifting it lets them go.
+TEST_F(OffloadPolicyTest, OffloadAHostLimitSetLaterAppliesToTheDevicesPool) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 0;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 31);
+  const KeeperId ida = Save(a);
+  a->holders = 0;
+  engine_->ForwardEnd();  // the device's pool is made, with no limit
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(a), Residency::kSpilled);
+  EXPECT_EQ(ReadOn(compute_, engine_->Acquire(ida, compute_), 2 * kMiB), Pattern(2 * kMiB, 31));
+  engine_->Synchronize();
+  engine_->TrimHostMemory();  // nothing pinned stays behind for the spill below
+  config.host_limit_bytes = kMiB;
+  engine_->SetConfig(config);
+  std::shared_ptr<TestStorage> b = NewStorage(2 * kMiB, 32);
+  const KeeperId idb = Save(b);
+  b->holders = 0;
+  engine_->ForwardEnd();
+  EXPECT_EQ(StateOf(b), Residency::kResident) << "a spill passed the host limit set later";
+  EXPECT_EQ(EngineStat("skipped.host_limit"), 1);
+  config.host_limit_bytes = 0;
+  engine_->SetConfig(config);
+  std::shared_ptr<TestStorage> c = NewStorage(2 * kMiB, 33);
+  const KeeperId idc = Save(c);
+  c->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(c), Residency::kSpilled);
+  EXPECT_EQ(ReadOn(compute_, engine_->Acquire(idc, compute_), 2 * kMiB), Pattern(2 * kMiB, 33));
+  EXPECT_EQ(ReadOn(compute_, engine_->Acquire(idb, compute_), 2 * kMiB), Pattern(2 * kMiB, 32));
+}
+
 // The window `auto` keeps resident follows entries as they come and go (each budget check used to
 // sum it again over every entry): at every step it is what that sum gives, the newest entries of
 // at least min_bytes whose bytes add up to at most prefetch_bytes.

@@ -254,6 +254,31 @@ TEST(OffloadPinnedPool, HostLimitGivesResourceExhausted) {
   pool.Free(c);
 }
 
+// The limit can change while buffers are out: lowered, the wholly free chunks go back at once and
+// the pool grows again only once enough came back; lifted, it grows freely again.
+TEST(OffloadPinnedPool, AHostLimitSetLaterTakesEffect) {
+  SimBackend backend;
+  PinnedPool pool(backend, 0, Grow(kMiB));
+  void* a = Take(pool, 2 * kMiB);
+  void* b = Take(pool, 2 * kMiB);
+  ASSERT_EQ(pool.reserved_bytes(), 4 * kMiB);
+  pool.Free(a);
+  pool.SetLimit(2 * kMiB);
+  EXPECT_EQ(pool.reserved_bytes(), 2 * kMiB) << "a's free chunk was kept over the new limit";
+  EXPECT_EQ(backend.host_bytes_in_use(), 2 * kMiB);
+  const absl::StatusOr<void*> over = pool.Allocate(kKiB);
+  ASSERT_TRUE(absl::IsResourceExhausted(over.status())) << over.status();
+  EXPECT_TRUE(Mentions(over.status(), "limit is 2.00 MiB"));
+  pool.Free(b);
+  void* c = Take(pool, 2 * kMiB);  // b's chunk serves again
+  EXPECT_TRUE(absl::IsResourceExhausted(pool.Allocate(kMiB).status()));
+  pool.SetLimit(0);
+  void* d = Take(pool, 8 * kMiB);
+  EXPECT_EQ(pool.reserved_bytes(), 10 * kMiB);
+  pool.Free(c);
+  pool.Free(d);
+}
+
 TEST(OffloadPinnedPool, BackendFailureGivesUnavailableAndPoolKeepsWorking) {
   SimBackend backend;
   PinnedPool pool(backend, 0, Grow(kMiB));
