@@ -312,19 +312,19 @@ void OffloadEngine::CountSkipOf(Entry& e, std::string_view reason) {
   CountSkip(reason);
 }
 
-OffloadEngine::SpillOutcome OffloadEngine::Spill(Entry& e) {
+OffloadEngine::SpillResult OffloadEngine::Spill(Entry& e) {
   // A prefetch keeps its host copy until acquired, and the rescue gives those back rather than
   // copy them out again (GiveBackPrefetches): never a second host buffer for one entry.
-  if (e.host != nullptr) return SpillOutcome::kRefused;
+  if (e.host != nullptr) return {SpillOutcome::kRefused};
   // The entry's size and block were taken at its first save. A storage resized in place since
   // then (resize_, an out= op), or given other memory, has other bytes: a copy of e.nbytes would
   // leave out what a later save reads, or run past a smaller block. Kept as it is, its saves read
   // the live storage.
-  if (const auto info = allocator_.Lookup(e.storage->data());
-      e.storage->nbytes() != e.nbytes || !info || info->ptr != e.storage->data()) {
+  const auto info = allocator_.Lookup(e.storage->data());
+  if (e.storage->nbytes() != e.nbytes || !info || info->ptr != e.storage->data()) {
     CountSkipOf(e, kSkipResized);
     e.policy_refused = true;
-    return SpillOutcome::kRefused;
+    return {SpillOutcome::kRefused};
   }
   DeviceContext& dc = Device(e.device);
   absl::StatusOr<void*> host = absl::UnknownError("not tried");
@@ -333,11 +333,11 @@ OffloadEngine::SpillOutcome OffloadEngine::Spill(Entry& e) {
   const auto allocate = [&] { host = dc.pool.Allocate(e.nbytes); };
   if (!PoolCall(e.device, allocate) && !PoolCall(e.device, allocate)) {
     CountSkipOf(e, kSkipCopyError);
-    return SpillOutcome::kRefused;
+    return {SpillOutcome::kRefused};
   }
   if (!host.ok()) {
     CountSkipOf(e, absl::IsResourceExhausted(host.status()) ? kSkipHostLimit : kSkipNoPinned);
-    return SpillOutcome::kNoHostMemory;
+    return {SpillOutcome::kNoHostMemory};
   }
   void* device_ptr = e.storage->data();
   try {
@@ -364,7 +364,7 @@ OffloadEngine::SpillOutcome OffloadEngine::Spill(Entry& e) {
     // the pool reuses after the copy stream has passed it.
     FreeHostBuffer(e.device, *host, dc.d2h);
     CountSkipOf(e, kSkipCopyError);
-    return SpillOutcome::kRefused;
+    return {SpillOutcome::kRefused};
   }
   // In flight from here, accounting included: a failure that the free below happens to find
   // must be able to fail this entry too.
@@ -383,7 +383,7 @@ OffloadEngine::SpillOutcome OffloadEngine::Spill(Entry& e) {
   allocator_.RecordStream(device_ptr, dc.d2h);
   e.storage->drop_device_memory();
   e.skipped_for = {};
-  return SpillOutcome::kSpilled;
+  return {SpillOutcome::kSpilled, info->size};
 }
 
 void OffloadEngine::Reload(Entry& e, StreamRef consumer) {

@@ -214,9 +214,13 @@ class OffloadEngine {
   void OnStreamError(const StreamError& error);
   void FreeHostBuffer(int device, void* host, std::optional<StreamRef> last_use);
   enum class SpillOutcome { kSpilled, kRefused, kNoHostMemory };
-  // kNoHostMemory: no pinned buffer of the entry's size (host_limit_mb reached, or pinning
-  // failed): no entry of the device as large can be spilled in this pass either.
-  SpillOutcome Spill(Entry& e);
+  struct SpillResult {
+    // kNoHostMemory: no pinned buffer of the entry's size (host_limit_mb reached, or pinning
+    // failed): no entry of the device as large can be spilled in this pass either.
+    SpillOutcome outcome = SpillOutcome::kRefused;
+    size_t block_bytes = 0;  // kSpilled: the size of the block given back (rounded)
+  };
+  SpillResult Spill(Entry& e);
   // Counts `reason` for `e` unless it was the last reason counted for it: a policy may ask
   // again at every allocation.
   void CountSkipOf(Entry& e, std::string_view reason);

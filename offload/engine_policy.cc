@@ -81,7 +81,7 @@ void OffloadEngine::RunPolicy() {
   if (config_.policy == OffloadPolicy::kEager) {
     // What stays a candidate is what the program still holds: a few tensors, not the graph.
     VisitSpillCandidates(next_seq_, [&](Entry& e) {
-      if (Eligible(e) && Spill(e) != SpillOutcome::kSpilled) e.policy_refused = true;
+      if (Eligible(e) && Spill(e).outcome != SpillOutcome::kSpilled) e.policy_refused = true;
       return true;
     });
   } else if (config_.policy == OffloadPolicy::kAuto) {
@@ -113,12 +113,12 @@ size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool incl
       CountSkipOf(e, no_host_reason);  // kept on the device for that reason all the same
       return;
     }
-    const auto info = allocator_.Lookup(e.storage->data());
     // Refused (a prefetch keeps its host copy until read, and GiveBackPrefetches takes those; no
     // pinned memory; a copy that could not be issued; a resized storage): nothing released.
-    switch (Spill(e)) {
+    const SpillResult result = Spill(e);
+    switch (result.outcome) {
       case SpillOutcome::kSpilled:
-        released += info ? info->size : e.nbytes;
+        released += result.block_bytes;
         break;
       case SpillOutcome::kNoHostMemory:
         no_host_from = e.nbytes;
