@@ -17,7 +17,19 @@ class StreamReuseTest : public SimAllocatorTest {
     SimAllocatorTest::SetUp();
     other_ = backend_->create_stream(0);
   }
+
+  // Frees a block whose use on other_ is a copy that fails: the failure waits, unheard, for the
+  // first look at the block's pending free.
+  void FreeAfterAFailingCopyOnOther() {
+    void* p = Alloc(4096, stream_);
+    backend_->fail_copy_after(1);
+    backend_->memcpy_async(0, copy_target_.data(), p, 4096, CopyKind::kDeviceToHost, other_.handle);
+    allocator_->RecordStream(p, other_);
+    allocator_->Free(p);
+  }
+
   StreamRef other_;
+  std::vector<char> copy_target_ = std::vector<char>(4096);  // outlives the copy
 };
 
 TEST_F(StreamReuseTest, FreedBlockIsNotHandedToAnotherStream) {
@@ -123,31 +135,20 @@ TEST_F(StreamReuseTest, StreamIdsNotHandlesIdentifyStreams) {
   allocator_->Free(q);
 }
 
-}  // namespace
-}  // namespace spillway::testing
-
-namespace spillway::testing {
-namespace {
 
 // A failed asynchronous copy found while processing stream uses is finished work: the block is
 // reused, the caller's Malloc succeeds, and the stream's owner hears of the failure.
 TEST_F(StreamReuseTest, FailedWorkOnAUseStreamReachesTheObserverNotTheCaller) {
-  const StreamRef other = backend_->create_stream(0);
   std::vector<StreamError> seen;
   allocator_->SetStreamErrorObserver([&](const StreamError& e) { seen.push_back(e); });
-  void* p = Alloc(4096, stream_);
-  std::vector<char> host(4096);
-  backend_->fail_copy_after(1);
-  backend_->memcpy_async(0, host.data(), p, 4096, CopyKind::kDeviceToHost, other.handle);
-  allocator_->RecordStream(p, other);
-  allocator_->Free(p);
+  FreeAfterAFailingCopyOnOther();
   // Poll as Malloc does until the failing copy has run and its error was found (bounded).
   for (int i = 0; i < 2000 && seen.empty(); ++i) {
     EXPECT_NO_THROW(allocator_->ProcessEvents(0));
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   ASSERT_EQ(seen.size(), 1u);
-  EXPECT_EQ(seen[0].stream, other.id);
+  EXPECT_EQ(seen[0].stream, other_.id);
   EXPECT_NE(seen[0].message.find("injected copy failure"), std::string::npos);
   EXPECT_EQ(Stat("active.all.current"), 0);  // the block came back
 }
@@ -156,7 +157,6 @@ TEST_F(StreamReuseTest, FailedWorkOnAUseStreamReachesTheObserverNotTheCaller) {
 // meanwhile (the offload engine, holding the lock the first delivery waits for) is told of it
 // too, under the same number, so that it can act on it once; when both are over it is gone.
 TEST_F(StreamReuseTest, AnErrorBeingDeliveredReachesWhoeverAsksMeanwhile) {
-  const StreamRef other = backend_->create_stream(0);
   std::mutex seen_mutex;
   std::vector<StreamError> seen;
   std::atomic<int> calls{0};
@@ -169,12 +169,7 @@ TEST_F(StreamReuseTest, AnErrorBeingDeliveredReachesWhoeverAsksMeanwhile) {
     }
     if (calls.fetch_add(1) == 0) second_told_future.wait();  // the first waits, as on a lock
   });
-  void* p = Alloc(4096, stream_);
-  std::vector<char> host(4096);
-  backend_->fail_copy_after(1);
-  backend_->memcpy_async(0, host.data(), p, 4096, CopyKind::kDeviceToHost, other.handle);
-  allocator_->RecordStream(p, other);
-  allocator_->Free(p);
+  FreeAfterAFailingCopyOnOther();
   std::thread first([&] {
     for (int i = 0; i < 2000 && calls.load() == 0; ++i) {
       allocator_->ProcessEvents(0);
@@ -191,7 +186,7 @@ TEST_F(StreamReuseTest, AnErrorBeingDeliveredReachesWhoeverAsksMeanwhile) {
   ASSERT_EQ(seen.size(), 2u) << "an error being delivered was gone for another thread";
   EXPECT_EQ(seen[0].seq, seen[1].seq);
   EXPECT_EQ(seen[0].found_by, 0);
-  EXPECT_EQ(seen[1].stream, other.id);
+  EXPECT_EQ(seen[1].stream, other_.id);
   allocator_->DeliverStreamErrors(0);
   EXPECT_EQ(seen.size(), 2u) << "an error delivered was still pending";
 }

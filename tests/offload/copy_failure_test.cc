@@ -24,6 +24,18 @@ class OffloadCopyFailure : public OffloadFaultInjection {
     void* raw = backend_->device_malloc(0, kMiB).value();
     backend_->device_free(0, raw);
   }
+
+  // Spills `s` (saved, and held until now) by a copy that fails, and lets that copy run with
+  // nobody hearing of it: the entry stays spilling, its old block pending on the copy.
+  void SpillByACopyNobodyHearsFail(TestStorage& s) {
+    {
+      auto hold = backend_->hold_stream(0, compute_.handle);  // the copy waits behind it
+      s.holders = 0;
+      WithNextCopyFailing([&] { engine_->ForwardEnd(); });
+      ASSERT_EQ(engine_->Describe(&s).value().residency, Residency::kSpilling);
+    }
+    DrainWithoutLooking();
+  }
 };
 
 // The reload of an entry whose copy to the host has not run yet reads the host buffer after that
@@ -247,13 +259,7 @@ TEST_F(OffloadCopyFailure, OffloadAFailureToldTwiceIsActedOnOnce) {
   // Made now: an allocation after the failing copy has run would hear of it first.
   std::shared_ptr<TestStorage> c = NewStorage(2 * kMiB, 89);
   const KeeperId ida = Save(a);
-  {
-    auto hold = backend_->hold_stream(0, compute_.handle);  // a's spill copy waits behind it
-    a->holders = 0;
-    WithNextCopyFailing([&] { engine_->ForwardEnd(); });  // a's copy to the host
-    ASSERT_EQ(StateOf(a), Residency::kSpilling);
-  }
-  DrainWithoutLooking();  // the failing copy has run; nobody has heard of it
+  ASSERT_NO_FATAL_FAILURE(SpillByACopyNobodyHearsFail(*a));
   // c's spill waits for its producer, held: it stays in flight until the end.
   const StreamRef side = backend_->create_stream(0);
   auto side_hold = backend_->hold_stream(0, side.handle);
@@ -353,13 +359,7 @@ TEST_F(OffloadCopyFailure, OffloadAFailureTheLadderHeardSparesTheRescuesOwnSpill
   // Made now: an allocation after the failing copy has run would hear of it first.
   std::shared_ptr<TestStorage> c = NewStorage(8 * kMiB, 85);
   const KeeperId ida = Save(a);
-  {
-    auto hold = backend_->hold_stream(0, compute_.handle);  // a's spill copy waits behind it
-    a->holders = 0;
-    WithNextCopyFailing([&] { engine_->ForwardEnd(); });  // a's copy to the host
-    ASSERT_EQ(StateOf(a), Residency::kSpilling);
-  }
-  DrainWithoutLooking();         // the failing copy has run; nobody has heard of it
+  ASSERT_NO_FATAL_FAILURE(SpillByACopyNobodyHearsFail(*a));
   const KeeperId idc = Save(c);  // saved after the policy ran: left for the rescue
   c->holders = 0;
   // More than is free: the ladder's wait for a's old block hears of the failure, then the
