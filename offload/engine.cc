@@ -532,4 +532,9 @@ StreamRef OffloadEngine::h2d_stream_for_testing(int device) {
   return Device(device).h2d;
 }
 
+StreamRef OffloadEngine::d2h_stream_for_testing(int device) {
+  EngineLock lock(mutex_);
+  return Device(device).d2h;
+}
+
 }  // namespace spillway

@@ -170,8 +170,9 @@ class OffloadEngine {
   // Testing only: skips the consumer's wait on reload-done, the one wait whose absence corrupts
   // data silently. The integrity tests turn it on to prove they catch it.
   void set_skip_consumer_wait_for_testing(bool skip) { skip_consumer_wait_ = skip; }
-  // Testing only: the engine's host-to-device copy stream on `device`, so a test can hold it.
+  // Testing only: the engine's copy streams on `device`, so a test can hold or watch them.
   StreamRef h2d_stream_for_testing(int device);
+  StreamRef d2h_stream_for_testing(int device);
   // Testing only: the key of the oldest entry in `device`'s prefetch window (null when empty).
   const void* window_oldest_for_testing(int device) const;
 

@@ -115,10 +115,14 @@ bool OffloadEngine::PoolCall(int device, absl::FunctionRef<void()> call) {
     call();
     return true;
   } catch (const BackendError& error) {
-    // The pool polls and records events on both copy streams: an earlier copy's failure on
-    // either can surface here, and which copy it was is not known.
-    FailInFlight(device, Residency::kSpilling, error.what());
-    FailInFlight(device, Residency::kReloading, error.what());
+    // The pool polls and records events on both copy streams. A failure it heard on one of them
+    // (StreamFailure) is that stream's copies'; any other may be either direction's.
+    const DeviceContext& dc = Device(device);
+    const auto* heard_on = dynamic_cast<const PinnedPool::StreamFailure*>(&error);
+    const bool spills_only = heard_on != nullptr && heard_on->stream_id() == dc.d2h.id;
+    const bool reloads_only = heard_on != nullptr && heard_on->stream_id() == dc.h2d.id;
+    if (!reloads_only) FailInFlight(device, Residency::kSpilling, error.what());
+    if (!spills_only) FailInFlight(device, Residency::kReloading, error.what());
     return false;
   }
 }

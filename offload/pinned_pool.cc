@@ -22,6 +22,16 @@ size_t RoundUp(size_t bytes) {
 // slack proportional to the buffer (the waste guarantee in the header).
 size_t SplitThreshold(size_t rounded) { return std::max(PinnedPool::kGranule, rounded / 64); }
 
+// Whether the last use on `stream_id` that `event` follows is over; a failure reported there is
+// that stream's work's.
+bool PollEvent(UniqueEvent& event, uint64_t stream_id) {
+  try {
+    return event.query();
+  } catch (const BackendError& error) {
+    throw PinnedPool::StreamFailure(error, stream_id);
+  }
+}
+
 size_t CheckedGrowBytes(size_t grow_bytes) {
   if (grow_bytes > PinnedPool::kMaxBytes) {
     throw InvalidArgumentError(
@@ -103,13 +113,18 @@ void PinnedPool::Free(void* ptr, std::optional<StreamRef> last_use) {
   if (DeferLocked(address, *last_use)) return;
   // No event could be recorded: a host wait is the only other way to know the last use is over.
   // If it throws too, the buffer stays quarantined rather than risk handing it out mid-copy.
-  backend_.synchronize_stream(device_, last_use->handle);
+  try {
+    backend_.synchronize_stream(device_, last_use->handle);
+  } catch (const BackendError& error) {
+    deferred_error_.reset();
+    throw StreamFailure(error, last_use->id);
+  }
   ReleaseLocked(address);
   // A record fails when earlier work on the stream failed (reported once, to whoever looks):
   // the buffer is safe to reuse now, and the caller, who owns that work, must hear of it.
   if (deferred_error_.has_value()) {
     const BackendError error = *std::exchange(deferred_error_, std::nullopt);
-    throw error;
+    throw StreamFailure(error, last_use->id);
   }
 }
 
@@ -153,7 +168,7 @@ void PinnedPool::ProcessEventsLocked() {
   if (pending_.empty()) return;  // the common case: no backend call at all
   for (auto it = pending_.begin(); it != pending_.end();) {
     std::deque<Pending>& queue = it->second;
-    while (!queue.empty() && queue.front().event.query()) {
+    while (!queue.empty() && PollEvent(queue.front().event, it->first)) {
       Pending done = std::move(queue.front());
       queue.pop_front();
       ReleaseLocked(done.ptr);

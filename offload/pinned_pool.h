@@ -50,6 +50,18 @@ namespace spillway {
 
 class PinnedPool {
  public:
+  // A failure the pool heard of on the stream of a buffer's last use (polling the event it
+  // recorded there, recording it, or waiting for the stream): whose work failed is known here.
+  class StreamFailure : public BackendError {
+   public:
+    StreamFailure(const BackendError& error, uint64_t stream_id)
+        : BackendError(error), stream_id_(stream_id) {}
+    uint64_t stream_id() const { return stream_id_; }  // StreamRef::id
+
+   private:
+    uint64_t stream_id_;
+  };
+
   struct Options {
     size_t grow_bytes = size_t{64} << 20;  // new chunks are at least this large
     size_t limit_bytes = 0;                // max pinned bytes reserved; 0 = no limit

@@ -348,6 +348,58 @@ TEST_F(OffloadCopyFailure, OffloadASpillWhosePoolHearsTwoFailuresIsSkipped) {
   DropAllAndExpectNoLeaks({idc, idd});
 }
 
+// The pinned pool polls the buffers freed for a copy stream, and can be the first to hear of a
+// failed copy there: it knows which stream that was. A spill's failure, heard so, fails the
+// spills in flight, not a healthy reload in flight on the other stream.
+TEST_F(OffloadCopyFailure, OffloadASpillsFailureThePoolHearsSparesReloads) {
+  accesses_follow_streams_ = true;  // dropping c's queued spill must not wait for it on the host
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 0;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 95);
+  std::shared_ptr<TestStorage> c = NewStorage(2 * kMiB, 96);
+  std::shared_ptr<TestStorage> d = NewStorage(2 * kMiB, 97);
+  const KeeperId ida = Save(a);
+  const KeeperId idc = Save(c);
+  const KeeperId idd = Save(d);
+  a->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(a), Residency::kSpilled);
+  // a's copy back waits behind a hold; its consumer is another stream, so that the compute
+  // stream (which c's spill waits for) does not wait for it.
+  auto h2d_hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+  engine_->Acquire(ida, backend_->create_stream(0));
+  ASSERT_EQ(StateOf(a), Residency::kReloading);
+  // c's spill fails, and c is dropped while it is queued: its host buffer waits in the pool for
+  // the copy-out stream. A watcher learns when that stream has passed the copy, without looking.
+  const StreamRef watcher = backend_->create_stream(0);
+  {
+    auto compute_hold = backend_->hold_stream(0, compute_.handle);
+    c->holders = 0;
+    WithNextCopyFailing([&] { engine_->ForwardEnd(); });
+    ASSERT_EQ(StateOf(c), Residency::kSpilling);
+    c.reset();
+    engine_->RemoveKeeper(idc);
+    EventHandle passed = backend_->create_event(0);
+    backend_->record_event(0, passed, engine_->d2h_stream_for_testing(0).handle);
+    backend_->stream_wait_event(0, watcher.handle, passed);
+    backend_->destroy_event(0, passed);
+  }
+  backend_->synchronize_stream(0, watcher.handle);
+  // d's spill asks the pool for a buffer; the pool hears of c's failure.
+  d->holders = 0;
+  EXPECT_NO_THROW(engine_->ForwardEnd());
+  h2d_hold->Open();
+  EXPECT_NO_THROW(engine_->WaitResident(ida)) << "a healthy reload failed with a spill";
+  EXPECT_EQ(AcquireAndRead(ida, 2 * kMiB), Pattern(2 * kMiB, 95));
+  engine_->Synchronize();
+  EXPECT_EQ(AcquireAndRead(idd, 2 * kMiB), Pattern(2 * kMiB, 97));
+  a.reset();
+  d.reset();
+  DropAllAndExpectNoLeaks({ida, idd});
+}
+
 // A failure the ladder heard before it asked the engine for memory belongs to the copies in
 // flight then; the spills the rescue issues afterwards are healthy. Passed on only when the
 // rescue waited for its spills, it failed them too.
