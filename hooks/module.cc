@@ -101,6 +101,7 @@ PYBIND11_MODULE(_C, m) {
     }
     tl::InstallCudaAllocator(runtime.allocator());
   });
+  m.def("abandon_cuda_install", [] { tl::Runtime::Get().AbandonCudaInstall(); });
   m.def("installed_mode", [] {
     switch (tl::Runtime::Get().mode()) {
       case tl::Mode::kSim:

@@ -84,13 +84,26 @@ void Runtime::Install(const std::string& device, const std::string& conf, size_t
   if (!ConfigureProcessAllocator(parsed) && ProcessConfig().device != parsed.device) {
     throw InvalidArgumentError(
         "Spillway's process allocator was already created for another device (by the C ABI, "
-        "from SPILLWAY_ALLOC_CONF); install before any allocation");
+        "from SPILLWAY_ALLOC_CONF, or by an earlier install that failed); install before any "
+        "allocation");
   }
   allocator_ = &ProcessAllocator();
   config_ = parsed;
   if (parsed.device == DeviceKind::kSim) SimCpuAllocator::Install(*allocator_);
   mode_ = parsed.device == DeviceKind::kSim ? Mode::kSim : Mode::kCuda;
   install_call_ = call;
+}
+
+void Runtime::AbandonCudaInstall() {
+  std::lock_guard lock(mutex_);
+  if (mode_ != Mode::kCuda || engine_ != nullptr) {
+    throw InvalidArgumentError(
+        "AbandonCudaInstall: only a CUDA install that nothing used yet can be undone");
+  }
+  mode_ = Mode::kNone;
+  install_call_.clear();
+  config_ = Config{};
+  allocator_ = nullptr;
 }
 
 Mode Runtime::mode() const {

@@ -27,6 +27,10 @@ class Runtime {
   // (0: not given; a multiple of 1 MiB, device "sim" only) sizes the simulated device; like
   // `device`, it must agree with the configuration's own key when both name it.
   void Install(const std::string& device, const std::string& conf, size_t capacity_bytes = 0);
+  // Undoes a CUDA install whose route into torch then failed, before anything was served through
+  // it: as if Install had not run, so that installed() is false and a retry checks everything
+  // again. Throws InvalidArgumentError when the install is no CUDA one or offload was used.
+  void AbandonCudaInstall();
   Mode mode() const;
   bool installed() const { return mode() != Mode::kNone; }
   // Throws when nothing is installed.

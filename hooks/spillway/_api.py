@@ -104,12 +104,19 @@ def install(device=None, conf=None, capacity_bytes=None):
                         "Spillway against a CUDA torch 2.4 or later")
             _C.install("cuda", text, capacity)
             if mode == "":
-                if _C.has_cuda_allocator():
-                    # The c10 adapter: torch.cuda.memory_stats, _snapshot and friends all work.
-                    _C.install_cuda_allocator()
-                else:
-                    # Built without a CUDA torch >= 2.4: the C ABI route (no torch-side stats).
-                    torch.cuda.memory.change_current_allocator(pluggable_allocator())
+                try:
+                    if _C.has_cuda_allocator():
+                        # The c10 adapter: torch.cuda.memory_stats, _snapshot and friends work.
+                        _C.install_cuda_allocator()
+                    else:
+                        # Built without a CUDA torch >= 2.4: the C ABI route (no torch-side
+                        # stats).
+                        torch.cuda.memory.change_current_allocator(pluggable_allocator())
+                except BaseException:
+                    # Nothing went through Spillway yet: undone, installed() says None and a
+                    # retry checks everything again (it returned silently, installed in name).
+                    _C.abandon_cuda_install()
+                    raise
         else:
             _C.install("sim", text, capacity)
 
@@ -270,7 +277,13 @@ class offload(contextlib.ContextDecorator):
         return self
 
     def __exit__(self, *exc_info):
-        hooks, enclosing = self._entered().pop()
+        entered = self._entered()
+        if not entered:
+            # Exited twice, or on another thread than the one that entered it (saved-tensor
+            # hooks are per thread): nothing of this block is open here.
+            raise RuntimeError("spillway.offload: exited without being entered on this thread; a "
+                               "block is entered and exited once, on the same thread")
+        hooks, enclosing = entered.pop()
         try:
             try:
                 _C.forward_end()

@@ -190,6 +190,8 @@ def main(argv=None):
     if not args.output.lower().endswith((".png", ".svg", ".pdf")):
         parser.error(f"--output {args.output}: the timeline is an image; name a .png, .svg or "
                      ".pdf file")
+    if os.path.isdir(args.output):
+        parser.error(f"--output {args.output}: is a directory; name an image file in it")
     out_dir = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(out_dir):
         parser.error(f"--output {args.output}: no directory {out_dir}")
@@ -234,7 +236,19 @@ def main(argv=None):
     labels = ["first", "second"] if len(snaps) == 2 else [""]
     if len(snaps) == 2:
         labels = [p.rsplit("/", 1)[-1] for p in args.snapshots]
-    print(f"timeline: {plot(snaps, labels, args.output)}")
+    # The summary above stands without the plot: a machine with no matplotlib (a pip torch often
+    # comes without it) or a full disk still gets it, and one line saying why there is no plot.
+    try:
+        print(f"timeline: {plot(snaps, labels, args.output)}")
+    except ImportError as error:
+        print(f"{parser.prog}: error: cannot plot the timeline: {error.name or 'matplotlib'} is not "
+              "installed (pip install matplotlib, or apt-get install python3-matplotlib)",
+              file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"{parser.prog}: error: cannot write {args.output}: {error.strerror or error}",
+              file=sys.stderr)
+        return 2
     return 0
 
 

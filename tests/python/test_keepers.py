@@ -62,6 +62,17 @@ def test_release_refuses_memory_that_is_not_spillways():
     assert torch.equal(t, torch.arange(1000, dtype=torch.float32))  # untouched
 
 
+def test_release_refuses_a_tensor_on_a_device_spillway_does_not_serve():
+    """Python review: a meta tensor (no memory, so the ownership check passed) was "released":
+    its storage emptied to 0 bytes, with a report of success."""
+    t = torch.empty(3, device="meta")
+    with pytest.raises(ValueError, match="a tensor on meta is not on the device Spillway serves"):
+        spillway.release(t)
+    assert t.shape == (3,)
+    storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+    assert storage.nbytes() == 12
+
+
 def test_release_refuses_a_second_storage_over_spillways_memory():
     """Review: release(torch.from_numpy(t.numpy())) reported t's bytes freed, though t still
     holds them."""

@@ -124,3 +124,28 @@ def test_saves_keep_the_minimum_size_of_their_block():
         loss.backward()
 
     assert spills_during(forward) == 1
+
+
+def test_a_block_exited_without_being_entered_here_says_so():
+    """Python review: a block exited twice, or on another thread than the one that entered it,
+    raised a bare IndexError (pop from empty list)."""
+    import threading
+    block = spillway.offload("off")
+    with pytest.raises(RuntimeError, match="exited without being entered on this thread"):
+        block.__exit__(None, None, None)
+    block.__enter__()
+    errors = []
+
+    def exit_elsewhere():
+        try:
+            block.__exit__(None, None, None)
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    thread = threading.Thread(target=exit_elsewhere)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and "same thread" in errors[0], errors
+    block.__exit__(None, None, None)  # the entering thread closes it: nothing is left open
+    with pytest.raises(RuntimeError, match="exited without being entered"):
+        block.__exit__(None, None, None)

@@ -164,6 +164,35 @@ def test_a_cuda_install_with_no_route_to_torch_leaves_nothing_installed():
     assert lines[2] == "mode None", result
 
 
+def test_a_cuda_install_whose_route_fails_leaves_nothing_installed():
+    """Review: when the route into torch failed after the runtime had switched to CUDA (here
+    CUDAPluggableAllocator cannot load the library), installed() said "cuda" with PyTorch's own
+    allocator serving everything, and a retry returned silently."""
+    if spillway._C.has_cuda_allocator():
+        pytest.skip("this build has the c10 adapter")
+    result = run_script("""
+        import torch
+        import spillway
+        torch.version.cuda = "12.1"  # a CUDA torch, as far as install can tell
+        torch.cuda.is_available = lambda: True
+        torch.cuda.is_initialized = lambda: False
+        class Unloadable:
+            def __init__(self, *args):
+                raise OSError("libcudart.so.12: cannot open shared object file")
+        torch.cuda.memory.CUDAPluggableAllocator = Unloadable
+        torch.cuda.memory.change_current_allocator = lambda allocator: None  # torch >= 2.0 has it
+        for attempt in range(2):
+            try:
+                spillway.install("cuda")
+                print("installed")
+            except OSError as error:
+                print("ERR", error)
+            print("mode", spillway.installed())
+    """)
+    assert result.stdout.splitlines() == [
+        "ERR libcudart.so.12: cannot open shared object file", "mode None"] * 2, result
+
+
 def test_cuda_allocator_adapter_needs_a_cuda_install():
     # Here (simulated device installed) the adapter cannot be installed, whichever build this is.
     with pytest.raises(Exception, match="install Spillway for device \"cuda\" first|no c10 CUDA"):

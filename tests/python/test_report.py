@@ -180,6 +180,32 @@ def test_command_line_names_an_output_it_cannot_write(tmp_path):
         assert reason in result.stderr and str(output) in result.stderr, result.stderr
 
 
+def test_an_output_that_is_a_directory_or_no_matplotlib_is_one_line(tmp_path):
+    """Python review: -o naming a directory, and a machine without matplotlib, were tracebacks
+    with exit status 1 (the README promises one line and status 2). Without matplotlib the text
+    summary still comes."""
+    snap = tmp_path / "snap.pickle"
+    spillway.dump_snapshot(snap)
+    folder = tmp_path / "plots.png"
+    folder.mkdir()
+    result = run_report(snap, "-o", folder)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "is a directory" in result.stderr and str(folder) in result.stderr, result.stderr
+
+    blocker = tmp_path / "blocker"
+    (blocker / "matplotlib").mkdir(parents=True)
+    (blocker / "matplotlib" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "spillway.report", str(snap), "-o", str(tmp_path / "t.png")],
+        env={**os.environ, "PYTHONPATH": f"{blocker}:{BUILD_PY}"}, capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "matplotlib is not installed" in lines[0], result.stderr
+    assert f"== {snap}" in result.stdout, result.stdout
+    assert not (tmp_path / "t.png").exists()
+
+
 def test_spilled_timeline_follows_every_offload_event_kind():
     """The spilled curve starts at 0 and ends at the engine's spilled bytes whatever happened in
     between: a failed spill and a given-back prefetch move it too."""
