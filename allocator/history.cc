@@ -33,36 +33,38 @@ int64_t NowMicros() {
 
 void HistoryRing::Enable(size_t max_entries) {
   if (max_entries == 0) max_entries = 1;
-  if (max_entries != ring_.size()) {
-    ring_.assign(max_entries, TraceEntry{});
-    next_ = count_ = 0;
+  if (max_entries != max_entries_) {
+    ring_.clear();
+    max_entries_ = max_entries;
+    next_ = 0;
     overflowed_ = false;
   }
   enabled_ = true;
 }
 
 void HistoryRing::Clear() {
-  for (TraceEntry& e : ring_) e = TraceEntry{};
-  next_ = count_ = 0;
+  ring_.clear();
+  next_ = 0;
   overflowed_ = false;
 }
 
 void HistoryRing::Record(TraceEntry entry) {
-  if (!enabled_ || ring_.empty()) return;
-  ring_[next_] = std::move(entry);
-  next_ = (next_ + 1) % ring_.size();
-  if (count_ < ring_.size()) {
-    ++count_;
-  } else {
-    overflowed_ = true;
+  if (!enabled_) return;
+  // Grown as entries come, as PyTorch's ring is: its default asks for sys.maxsize entries.
+  if (ring_.size() < max_entries_) {
+    ring_.push_back(std::move(entry));
+    return;
   }
+  ring_[next_] = std::move(entry);
+  next_ = (next_ + 1) % max_entries_;
+  overflowed_ = true;
 }
 
 std::vector<TraceEntry> HistoryRing::Entries() const {
+  // Until the ring is full, next_ is 0 and the entries are in order.
   std::vector<TraceEntry> out;
-  out.reserve(count_);
-  const size_t start = (next_ + ring_.size() - count_) % (ring_.empty() ? 1 : ring_.size());
-  for (size_t i = 0; i < count_; ++i) out.push_back(ring_[(start + i) % ring_.size()]);
+  out.reserve(ring_.size());
+  for (size_t i = 0; i < ring_.size(); ++i) out.push_back(ring_[(next_ + i) % ring_.size()]);
   return out;
 }
 

@@ -45,8 +45,8 @@ int64_t NowMicros();
 // Not thread-safe: the owning device allocator guards it with its mutex.
 class HistoryRing {
  public:
-  // Starts recording into a ring of `max_entries` (>= 1). Recorded entries are kept when the
-  // capacity is unchanged, dropped otherwise.
+  // Starts recording into a ring of at most `max_entries` (0 counts as 1), grown as entries come.
+  // Recorded entries are kept when the capacity is unchanged, dropped otherwise.
   void Enable(size_t max_entries);
   void Disable() { enabled_ = false; }
   bool enabled() const { return enabled_; }
@@ -57,12 +57,12 @@ class HistoryRing {
   std::vector<TraceEntry> Entries() const;
   // True once entries were overwritten since the last Clear/Enable.
   bool overflowed() const { return overflowed_; }
-  size_t capacity() const { return ring_.size(); }
+  size_t capacity() const { return max_entries_; }
 
  private:
   std::vector<TraceEntry> ring_;
-  size_t next_ = 0;
-  size_t count_ = 0;
+  size_t max_entries_ = 0;
+  size_t next_ = 0;  // once full, the oldest entry, overwritten next
   bool enabled_ = false;
   bool overflowed_ = false;
 };

@@ -1,4 +1,5 @@
 // Statistics (PyTorch's names and meanings, resets) and the history ring.
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -150,7 +151,21 @@ TEST_F(StatsHistoryTest, HistoryRingKeepsTheNewestEntries) {
   for (int i = 0; i < 10; ++i) allocator_->Free(Alloc(4096));
   const auto trace = allocator_->TakeSnapshot().device_traces.at(0);
   ASSERT_EQ(trace.size(), 4u);
+  EXPECT_EQ(trace[0].action, TraceAction::kFreeCompleted);
+  EXPECT_EQ(trace[1].action, TraceAction::kAlloc);
   EXPECT_EQ(trace[2].action, TraceAction::kFreeRequested);
+  EXPECT_EQ(trace[3].action, TraceAction::kFreeCompleted);
+}
+
+// PyTorch's _record_memory_history() asks for sys.maxsize entries by default: the ring grows as
+// entries come (it was allocated whole at once: length_error for that, tens of GB per device for
+// a large number that could be allocated).
+TEST_F(StatsHistoryTest, AHistoryOfAnyMaximumSizeGrowsAsEntriesCome) {
+  ASSERT_NO_THROW(allocator_->RecordHistory(true, std::numeric_limits<int64_t>::max()));
+  allocator_->Free(Alloc(4096));
+  const auto trace = allocator_->TakeSnapshot().device_traces.at(0);
+  ASSERT_EQ(trace.size(), 4u);
+  EXPECT_EQ(trace[0].action, TraceAction::kSegmentAlloc);
   EXPECT_EQ(trace[3].action, TraceAction::kFreeCompleted);
 }
 
