@@ -142,6 +142,12 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
 
 BlockId DeviceAllocator::AskHolders(PoolKind kind, StreamRef stream, size_t rounded,
                                     std::unique_lock<std::mutex>& lock) {
+  // A request larger than the device, or than its limit, fits nowhere, whatever the holders give
+  // back: spills for it would cost copies now and reloads later for nothing (and a batch-size
+  // search, which probes sizes that do not fit, would pay that at every probe).
+  if (const size_t limit = Limit(); (limit != 0 && rounded > limit) || rounded > TotalMemory()) {
+    return kNoBlock;
+  }
   const std::vector<FreeMemoryCallback> callbacks = callbacks_();
   // First the least that could serve (what the least new segment needs: spilling 20 MiB for a
   // 2 MiB request costs copies now and reloads later), then twice as much each time while the

@@ -47,6 +47,30 @@ TEST_F(OomTest, OomIsRecordedInHistory) {
   EXPECT_EQ(trace.back().addr, 64 * kMiB);  // free device bytes, as PyTorch records
 }
 
+// A request larger than the device, or than its limit, fits nowhere: the holders (the offload
+// engine) are not asked to give memory back for it (they spilled everything they could, for
+// nothing), and the error is the same.
+TEST_F(OomTest, HoldersAreNotAskedForARequestThatCanNeverFit) {
+  void* held = Alloc(8 * kMiB);
+  int calls = 0;
+  allocator_->AddFreeMemoryCallback([&](int, size_t) -> size_t {
+    ++calls;
+    if (held == nullptr) return 0;
+    allocator_->Free(held);
+    held = nullptr;
+    return 8 * kMiB;
+  });
+  EXPECT_THROW(Alloc(100 * kMiB), OutOfMemoryError);  // more than the device
+  EXPECT_EQ(calls, 0);
+  allocator_->SetMemoryLimit(32 * kMiB, 0);
+  EXPECT_THROW(Alloc(40 * kMiB), OutOfMemoryError);  // more than the limit
+  EXPECT_EQ(calls, 0);
+  EXPECT_NE(held, nullptr) << "the holders gave memory back for a request that fits nowhere";
+  void* fits = Alloc(30 * kMiB);  // one that fits once they do: they are asked
+  EXPECT_EQ(calls, 1);
+  allocator_->Free(fits);
+}
+
 TEST_F(OomTest, FreeMemoryCallbackTurnsFailureIntoSuccess) {
   void* held = Alloc(40 * kMiB);
   size_t asked = 0;
