@@ -182,7 +182,13 @@ void CachingAllocator::DispatchStreamErrors(DeviceAllocator& device) {
     const auto observer = stream_error_observer_.Get();
     const CallbackGuard::Call call(callback_guard_, observer.get());
     if (call) {
-      for (const StreamError& error : errors) observer->fn(error);
+      try {
+        for (const StreamError& error : errors) observer->fn(error);
+      } catch (...) {
+        // Still pending: the observer is told again at the next look. Thrown from here, the
+        // error would take the place of a block allocated already (lost), or escape a free.
+        return;
+      }
     }
   }
   device.RetireStreamErrors(errors.back().seq);

@@ -94,8 +94,9 @@ class CachingAllocator {
   void SetWatermarkFraction(int device, double fraction);
 
   // Told of StreamErrors (failed asynchronous work found while processing stream uses), outside
-  // every allocator lock, possibly more than once each (see StreamError::seq). The offload
-  // engine uses it to fail the copies it had in flight.
+  // every allocator lock, possibly more than once each (see StreamError::seq). An observer that
+  // throws is told again at the next look; its exception goes nowhere. The offload engine uses
+  // it to fail the copies it had in flight.
   using StreamErrorObserver = std::function<void(const StreamError&)>;
   void SetStreamErrorObserver(StreamErrorObserver observer);
   // Passes to the observer, now, the errors of `device` found and not yet passed on (a call

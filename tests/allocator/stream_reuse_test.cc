@@ -4,6 +4,7 @@
 #include <chrono>
 #include <future>
 #include <mutex>
+#include <new>
 #include <thread>
 
 #include "tests/allocator/sim_fixture.h"
@@ -135,7 +136,6 @@ TEST_F(StreamReuseTest, StreamIdsNotHandlesIdentifyStreams) {
   allocator_->Free(q);
 }
 
-
 // A failed asynchronous copy found while processing stream uses is finished work: the block is
 // reused, the caller's Malloc succeeds, and the stream's owner hears of the failure.
 TEST_F(StreamReuseTest, FailedWorkOnAUseStreamReachesTheObserverNotTheCaller) {
@@ -151,6 +151,33 @@ TEST_F(StreamReuseTest, FailedWorkOnAUseStreamReachesTheObserverNotTheCaller) {
   EXPECT_EQ(seen[0].stream, other_.id);
   EXPECT_NE(seen[0].message.find("injected copy failure"), std::string::npos);
   EXPECT_EQ(Stat("active.all.current"), 0);  // the block came back
+}
+
+// An observer that throws (out of memory, say) does not take the allocation that found the error
+// with it, nor make a free throw: the error stays pending, and the next look tells it again.
+TEST_F(StreamReuseTest, AnObserverThatThrowsLosesNeitherTheAllocationNorTheError) {
+  int thrown = 0;
+  allocator_->SetStreamErrorObserver([&](const StreamError&) {
+    ++thrown;
+    throw std::bad_alloc();
+  });
+  FreeAfterAFailingCopyOnOther();
+  for (int i = 0; i < 2000 && thrown == 0; ++i) {
+    ASSERT_NO_THROW(allocator_->ProcessEvents(0));
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  ASSERT_EQ(thrown, 1) << "the failing copy's error was never found";
+  void* p = nullptr;
+  ASSERT_NO_THROW(p = allocator_->Malloc(kMiB, 0, stream_));
+  EXPECT_EQ(thrown, 2) << "the pending error was not told again";
+  EXPECT_EQ(Stat("allocated_bytes.all.current"), static_cast<int64_t>(kMiB));
+  EXPECT_NO_THROW(allocator_->Free(p));
+  std::vector<StreamError> seen;
+  allocator_->SetStreamErrorObserver([&](const StreamError& e) { seen.push_back(e); });
+  allocator_->ProcessEvents(0);
+  allocator_->ProcessEvents(0);
+  ASSERT_EQ(seen.size(), 1u) << "told once to an observer that took it";
+  EXPECT_EQ(seen[0].stream, other_.id);
 }
 
 // An error stays pending while it is being delivered: a thread that asks for the device's errors
