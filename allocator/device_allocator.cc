@@ -30,21 +30,28 @@ DeviceAllocator::DeviceAllocator(Backend& backend, int device, const AllocatorCo
 }
 
 DeviceAllocator::~DeviceAllocator() {
-  // The owner is going away: wait for outstanding stream uses, then hand every segment back,
-  // allocated or not. Errors are swallowed because a destructor cannot report them and the
-  // backend reclaims its memory on its own destruction anyway.
-  std::lock_guard lock(mutex_);
-  try {
-    for (auto& [stream, queue] : pending_) {
-      for (const Pending& p : queue) backend_.synchronize_event(device_, p.event);
-      for (const Pending& p : queue) spare_events_.push_back(p.event);
+  // The owner is going away: wait for outstanding stream uses, then hand every segment and event
+  // back, allocated or not. Each step on its own: a failure one of them hears of (an earlier
+  // copy's) must not keep the rest from running, for the backend is shared and may live on.
+  // Errors are swallowed: a destructor cannot report them.
+  const auto quietly = [](auto&& step) {
+    try {
+      step();
+    } catch (const std::exception&) {
     }
-    pending_.clear();
-    for (const auto& [base, segment] : segments_)
-      backend_.device_free(device_, reinterpret_cast<void*>(base));
-    for (EventHandle e : spare_events_) backend_.destroy_event(device_, e);
-  } catch (const std::exception&) {
+  };
+  std::lock_guard lock(mutex_);
+  for (auto& [stream, queue] : pending_) {
+    for (const Pending& p : queue) {
+      quietly([&] { backend_.synchronize_event(device_, p.event); });
+      quietly([&] { backend_.destroy_event(device_, p.event); });
+    }
   }
+  pending_.clear();
+  for (const auto& [base, segment] : segments_) {
+    quietly([&] { backend_.device_free(device_, reinterpret_cast<void*>(base)); });
+  }
+  for (EventHandle e : spare_events_) quietly([&] { backend_.destroy_event(device_, e); });
 }
 
 void DeviceAllocator::SetWatermark(size_t bytes) {

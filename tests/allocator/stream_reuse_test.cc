@@ -180,6 +180,19 @@ TEST_F(StreamReuseTest, AnObserverThatThrowsLosesNeitherTheAllocationNorTheError
   EXPECT_EQ(seen[0].stream, other_.id);
 }
 
+// An allocator that goes away while a use's failed copy is pending hands back every segment and
+// event all the same: the backend is shared and may live on (the first wait that heard of the
+// failure ended the cleanup, and 14 MiB and the events stayed taken).
+TEST_F(StreamReuseTest, AnAllocatorGoingAwayAfterAFailedCopyGivesEverythingBack) {
+  void* big = Alloc(12 * kMiB, stream_);
+  allocator_->Free(big);  // cached
+  FreeAfterAFailingCopyOnOther();
+  allocator_.reset();
+  EXPECT_EQ(backend_->bytes_in_use(0), 0u);
+  EXPECT_EQ(backend_->num_live_events(), 0u);
+  Reset(AllocatorConfig{});  // the fixture's own teardown needs one
+}
+
 // An error stays pending while it is being delivered: a thread that asks for the device's errors
 // meanwhile (the offload engine, holding the lock the first delivery waits for) is told of it
 // too, under the same number, so that it can act on it once; when both are over it is gone.
