@@ -49,13 +49,17 @@ std::string DeviceAllocator::DescribeForeign(const void* ptr) const {
   for (BlockId id = segment.head; id != kNoBlock; id = arena_[id].next) {
     const Block& b = arena_[id];
     if (address < b.ptr || address >= b.ptr + b.size()) continue;
+    // Freed with stream uses still running, a block is neither allocated nor free yet.
+    const char* state = b.pending     ? "freed (awaiting stream uses)"
+                        : b.allocated ? "allocated"
+                                      : "free";
     if (address != b.ptr) {
       return absl::StrFormat("%p points %d bytes into the %s block at %#x on device %d", ptr,
-                             address - b.ptr, b.allocated ? "allocated" : "free", b.ptr, device_);
+                             address - b.ptr, state, b.ptr, device_);
     }
     return absl::StrFormat(
-        "%p is a %s block on device %d (double free, or a pointer freed already)", ptr,
-        b.pending ? "free block awaiting stream events" : "free", device_);
+        "%p is a %s block on device %d (double free, or a pointer freed already)", ptr, state,
+        device_);
   }
   return "";
 }

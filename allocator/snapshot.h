@@ -21,7 +21,7 @@ std::string_view BlockStateName(BlockState state);
 struct BlockSnapshot {
   uintptr_t address = 0;
   size_t size = 0;
-  size_t requested_size = 0;  // 0 unless allocated
+  size_t requested_size = 0;  // 0 when inactive (free)
   BlockState state = BlockState::kInactive;
   TraceContext context;
 };

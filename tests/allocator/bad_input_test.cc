@@ -43,6 +43,26 @@ TEST_F(BadInputTest, InteriorPointerIsRejected) {
   allocator_->Free(p);
 }
 
+// A block freed while another stream still uses it is neither allocated nor free: a second free,
+// or a pointer into it, says which (it read "a free block awaiting stream events block", and
+// "free" for an interior pointer).
+TEST_F(BadInputTest, PointersIntoABlockAwaitingItsStreamUsesNameItsState) {
+  const StreamRef side = backend_->create_stream(0);
+  auto hold = backend_->hold_stream(0, side.handle);
+  char* p = static_cast<char*>(Alloc(4096));
+  allocator_->RecordStream(p, side);
+  allocator_->Free(p);
+  std::string what = MessageOf([&] { allocator_->Free(p); });
+  EXPECT_NE(what.find("is a freed (awaiting stream uses) block on device 0 (double free"),
+            std::string::npos)
+      << what;
+  what = MessageOf([&] { allocator_->Free(p + 16); });
+  EXPECT_NE(what.find("points 16 bytes into the freed (awaiting stream uses) block"),
+            std::string::npos)
+      << what;
+  hold->Open();
+}
+
 TEST_F(BadInputTest, WrongDeviceIndexIsRejected) {
   for (int device : {-1, 1, 1000}) {
     const std::string what = MessageOf([&] { allocator_->Malloc(64, device, stream_); });
