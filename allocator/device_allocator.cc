@@ -48,8 +48,9 @@ DeviceAllocator::~DeviceAllocator() {
     }
   }
   pending_.clear();
-  for (const auto& [base, segment] : segments_) {
-    quietly([&] { backend_.device_free(device_, reinterpret_cast<void*>(base)); });
+  for (const auto& segment : segments_) {
+    void* const base = reinterpret_cast<void*>(segment.first);
+    quietly([&] { backend_.device_free(device_, base); });
   }
   for (EventHandle e : spare_events_) quietly([&] { backend_.destroy_event(device_, e); });
 }
