@@ -150,6 +150,15 @@ def summary(snapshot, top=10):
     return "\n".join(lines)
 
 
+def legend_labels(paths):
+    """The plot's name for each snapshot: none for one; for two their file names, or their whole
+    paths where the file names are the same (run1/snap.pickle and run2/snap.pickle)."""
+    if len(paths) < 2:
+        return [""]
+    labels = [os.path.basename(str(p)) for p in paths]
+    return labels if len(set(labels)) == len(labels) else [str(p) for p in paths]
+
+
 def plot(snapshots, labels, path):
     import matplotlib
 
@@ -233,9 +242,7 @@ def main(argv=None):
         print(f"== {path}")
         print(text)
         print()
-    labels = ["first", "second"] if len(snaps) == 2 else [""]
-    if len(snaps) == 2:
-        labels = [p.rsplit("/", 1)[-1] for p in args.snapshots]
+    labels = legend_labels(args.snapshots)
     # The summary above stands without the plot: a machine with no matplotlib (a pip torch often
     # comes without it) or a full disk still gets it, and one line saying why there is no plot.
     try:

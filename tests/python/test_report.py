@@ -180,6 +180,14 @@ def test_command_line_names_an_output_it_cannot_write(tmp_path):
         assert reason in result.stderr and str(output) in result.stderr, result.stderr
 
 
+def test_two_snapshots_of_the_same_file_name_get_different_labels():
+    """Python review: run1/snap.pickle and run2/snap.pickle were both labelled snap.pickle."""
+    assert report.legend_labels(["a/x.pickle", "b/y.pickle"]) == ["x.pickle", "y.pickle"]
+    assert report.legend_labels(["run1/snap.pickle", "run2/snap.pickle"]) == [
+        "run1/snap.pickle", "run2/snap.pickle"]
+    assert report.legend_labels(["only.pickle"]) == [""]
+
+
 def test_an_output_that_is_a_directory_or_no_matplotlib_is_one_line(tmp_path):
     """Python review: -o naming a directory, and a machine without matplotlib, were tracebacks
     with exit status 1 (the README promises one line and status 2). Without matplotlib the text
