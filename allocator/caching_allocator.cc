@@ -169,10 +169,10 @@ void CachingAllocator::SetStreamErrorObserver(StreamErrorObserver observer) {
 
 void CachingAllocator::DeliverStreamErrors(int device) {
   DeviceAllocator& allocator = At(device);
-  if (allocator.has_stream_errors()) DispatchStreamErrors(allocator);
+  if (allocator.has_stream_errors()) DispatchStreamErrors(allocator, /*rethrow=*/true);
 }
 
-void CachingAllocator::DispatchStreamErrors(DeviceAllocator& device) {
+void CachingAllocator::DispatchStreamErrors(DeviceAllocator& device, bool rethrow) {
   // Pending until this delivery is over: the observer may wait here for a lock held by a thread
   // that asks for the device's errors meanwhile (DeliverStreamErrors), and that thread must not
   // find them gone. It gets them too; the observer acts on each once (StreamError::seq).
@@ -185,8 +185,10 @@ void CachingAllocator::DispatchStreamErrors(DeviceAllocator& device) {
       try {
         for (const StreamError& error : errors) observer->fn(error);
       } catch (...) {
-        // Still pending: the observer is told again at the next look. Thrown from here, the
-        // error would take the place of a block allocated already (lost), or escape a free.
+        // Still pending: the observer is told again at the next look. Thrown from an allocation
+        // or a free, the error would take the place of a block allocated already (lost), or
+        // escape a free; the one who asked for the errors (DeliverStreamErrors) hears it.
+        if (rethrow) throw;
         return;
       }
     }

@@ -95,13 +95,14 @@ class CachingAllocator {
 
   // Told of StreamErrors (failed asynchronous work found while processing stream uses), outside
   // every allocator lock, possibly more than once each (see StreamError::seq). An observer that
-  // throws is told again at the next look; its exception goes nowhere. The offload engine uses
-  // it to fail the copies it had in flight.
+  // throws is told again at the next look; its exception goes nowhere but to DeliverStreamErrors.
+  // The offload engine uses it to fail the copies it had in flight.
   using StreamErrorObserver = std::function<void(const StreamError&)>;
   void SetStreamErrorObserver(StreamErrorObserver observer);
   // Passes to the observer, now, the errors of `device` found and not yet passed on (a call
   // found them, and passes them on only as it returns), those another thread is passing on
-  // included. Call it with no allocator lock held.
+  // included. What the observer throws comes out of here (the errors stay pending). Call it
+  // with no allocator lock held.
   void DeliverStreamErrors(int device);
 
   // Out-of-memory ladder step: see FreeMemoryCallback. Returns an id for removal.
@@ -156,7 +157,7 @@ class CachingAllocator {
   mutable std::mutex gatherer_mutex_;
   ContextGatherer gatherer_;
 
-  void DispatchStreamErrors(DeviceAllocator& device);
+  void DispatchStreamErrors(DeviceAllocator& device, bool rethrow = false);
   // `stream` of `stream_device`, or of the block's own device when none is given.
   void RecordStreamOf(void* ptr, StreamRef stream, std::optional<int> stream_device);
   void* MallocOn(DeviceAllocator& allocator, size_t size, StreamRef stream, TraceContext& context,

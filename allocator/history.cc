@@ -1,6 +1,7 @@
 #include "allocator/history.h"
 
 #include <chrono>
+#include <new>
 #include <utility>
 
 namespace spillway {
@@ -52,8 +53,15 @@ void HistoryRing::Record(TraceEntry entry) {
   if (!enabled_) return;
   // Grown as entries come, as PyTorch's ring is: its default asks for sys.maxsize entries.
   if (ring_.size() < max_entries_) {
-    ring_.push_back(std::move(entry));
-    return;
+    try {
+      ring_.push_back(std::move(entry));
+      return;
+    } catch (const std::bad_alloc&) {
+      // The ring is as large as it can be: recording goes on in it rather than fail the
+      // allocation or free being recorded. (A failed push_back leaves the entry as it was.)
+      if (ring_.empty()) return;
+      max_entries_ = ring_.size();
+    }
   }
   ring_[next_] = std::move(entry);
   next_ = (next_ + 1) % max_entries_;

@@ -213,6 +213,8 @@ class OffloadEngine {
   void MarkFailed(Entry& e, const std::string& why);
   void FailInFlight(int device, Residency in_flight, const std::string& why);
   void OnStreamError(const StreamError& error);
+  // kSpilling for `device`'s copy-out stream, kReloading for its copy-back stream, else none.
+  std::optional<Residency> CopyDirectionOf(int device, uint64_t stream_id);
   void FreeHostBuffer(int device, void* host, std::optional<StreamRef> last_use);
   enum class SpillOutcome { kSpilled, kRefused, kNoHostMemory };
   struct SpillResult {

@@ -1,6 +1,7 @@
 // OffloadEngine: copy failures. A backend reports a failed asynchronous copy once, to the first
 // call that looks at its stream, which need not be the call for the copy that failed: these
 // settle which entries lose their bytes, and keep the program's own failures apart.
+#include <optional>
 #include <string>
 
 #include "allocator/errors.h"
@@ -41,18 +42,29 @@ void OffloadEngine::FailInFlight(int device, Residency in_flight, const std::str
   }
 }
 
+std::optional<Residency> OffloadEngine::CopyDirectionOf(int device, uint64_t stream_id) {
+  const DeviceContext& dc = Device(device);
+  if (stream_id == dc.d2h.id) return Residency::kSpilling;
+  if (stream_id == dc.h2d.id) return Residency::kReloading;
+  return std::nullopt;
+}
+
 void OffloadEngine::OnStreamError(const StreamError& error) {
   EngineLock lock(mutex_);
   // Told again by a thread that was delivering it while this engine took it (TakeHeardFailures):
   // the copies in flight now came after it.
-  uint64_t& acted_on = stream_errors_acted_on_[error.found_by];
-  if (error.seq <= acted_on) return;
-  acted_on = error.seq;
-  if (error.device < 0 || error.device >= static_cast<int>(devices_.size())) return;
-  const DeviceContext* dc = devices_[static_cast<size_t>(error.device)].get();
-  if (dc == nullptr) return;
-  if (error.stream == dc->d2h.id) FailInFlight(error.device, Residency::kSpilling, error.message);
-  if (error.stream == dc->h2d.id) FailInFlight(error.device, Residency::kReloading, error.message);
+  if (error.seq <= stream_errors_acted_on_[error.found_by]) return;
+  const bool known_device = error.device >= 0 && error.device < static_cast<int>(devices_.size()) &&
+                            devices_[static_cast<size_t>(error.device)] != nullptr;
+  if (known_device) {
+    // A failure on another stream is the program's own (or a stream no copy of the engine's
+    // ran on): no entry's.
+    if (const auto direction = CopyDirectionOf(error.device, error.stream)) {
+      FailInFlight(error.device, *direction, error.message);
+    }
+  }
+  // Only now: should the above throw, the error is told again (it stays pending) and acted on.
+  stream_errors_acted_on_[error.found_by] = error.seq;
 }
 
 bool OffloadEngine::CopyDone(Entry& e, EventHandle copy, Residency direction, bool wait) {
@@ -117,12 +129,13 @@ bool OffloadEngine::PoolCall(int device, absl::FunctionRef<void()> call) {
   } catch (const BackendError& error) {
     // The pool polls and records events on both copy streams. A failure it heard on one of them
     // (StreamFailure) is that stream's copies'; any other may be either direction's.
-    const DeviceContext& dc = Device(device);
     const auto* heard_on = dynamic_cast<const PinnedPool::StreamFailure*>(&error);
-    const bool spills_only = heard_on != nullptr && heard_on->stream_id() == dc.d2h.id;
-    const bool reloads_only = heard_on != nullptr && heard_on->stream_id() == dc.h2d.id;
-    if (!reloads_only) FailInFlight(device, Residency::kSpilling, error.what());
-    if (!spills_only) FailInFlight(device, Residency::kReloading, error.what());
+    const std::optional<Residency> direction =
+        heard_on != nullptr ? CopyDirectionOf(device, heard_on->stream_id()) : std::nullopt;
+    if (direction != Residency::kReloading)
+      FailInFlight(device, Residency::kSpilling, error.what());
+    if (direction != Residency::kSpilling)
+      FailInFlight(device, Residency::kReloading, error.what());
     return false;
   }
 }

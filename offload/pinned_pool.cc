@@ -22,12 +22,13 @@ size_t RoundUp(size_t bytes) {
 // slack proportional to the buffer (the waste guarantee in the header).
 size_t SplitThreshold(size_t rounded) { return std::max(PinnedPool::kGranule, rounded / 64); }
 
-// Whether the last use on `stream_id` that `event` follows is over; a failure reported there is
-// that stream's work's.
+// Whether the last use on `stream_id` that `event` follows is over; an earlier failure reported
+// there is that stream's work's (a failure of the query itself, or a sticky one, names nothing).
 bool PollEvent(UniqueEvent& event, uint64_t stream_id) {
   try {
     return event.query();
   } catch (const BackendError& error) {
+    if (!error.earlier_work()) throw;
     throw PinnedPool::StreamFailure(error, stream_id);
   }
 }
@@ -117,6 +118,7 @@ void PinnedPool::Free(void* ptr, std::optional<StreamRef> last_use) {
     backend_.synchronize_stream(device_, last_use->handle);
   } catch (const BackendError& error) {
     deferred_error_.reset();
+    if (!error.earlier_work()) throw;  // the wait's own failure names no stream's work
     throw StreamFailure(error, last_use->id);
   }
   ReleaseLocked(address);

@@ -50,8 +50,9 @@ namespace spillway {
 
 class PinnedPool {
  public:
-  // A failure the pool heard of on the stream of a buffer's last use (polling the event it
-  // recorded there, recording it, or waiting for the stream): whose work failed is known here.
+  // A failure of earlier work the pool heard of on the stream of a buffer's last use (polling
+  // the event it recorded there, recording it, or waiting for the stream): whose work failed is
+  // known here.
   class StreamFailure : public BackendError {
    public:
     StreamFailure(const BackendError& error, uint64_t stream_id)
