@@ -66,8 +66,10 @@ void* CachingAllocator::Malloc(size_t size, int device, StreamRef stream) {
   if (ptr != nullptr) return ptr;
   // Over the watermark: the handler (the offload engine) makes room before the allocation is
   // made, so allocated bytes stay under the budget rather than pass it and come back down.
+  // (Not for a request that fits nowhere: `auto` would spill everything for it, for nothing.)
   const auto handler = pressure_handler_.Get();
-  if (const CallbackGuard::Call call(callback_guard_, handler.get()); call) {
+  if (const CallbackGuard::Call call(callback_guard_, handler.get());
+      call && allocator.CouldEverFit(size)) {
     handler->fn(device, allocator.RoundSize(size));
   }
   return MallocOn(allocator, size, stream, context, /*watermark_first=*/false);

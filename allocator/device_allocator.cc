@@ -150,12 +150,8 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
 
 BlockId DeviceAllocator::AskHolders(PoolKind kind, StreamRef stream, size_t rounded,
                                     std::unique_lock<std::mutex>& lock) {
-  // A request larger than the device, or than its limit, fits nowhere, whatever the holders give
-  // back: spills for it would cost copies now and reloads later for nothing (and a batch-size
-  // search, which probes sizes that do not fit, would pay that at every probe).
-  if (const size_t limit = Limit(); (limit != 0 && rounded > limit) || rounded > TotalMemory()) {
-    return kNoBlock;
-  }
+  // Spills for a request that fits nowhere would cost copies now and reloads later for nothing.
+  if (!CouldEverFitLocked(rounded)) return kNoBlock;
   const std::vector<FreeMemoryCallback> callbacks = callbacks_();
   // First the least that could serve (what the least new segment needs: spilling 20 MiB for a
   // 2 MiB request costs copies now and reloads later), then twice as much each time while the
@@ -186,6 +182,20 @@ BlockId DeviceAllocator::AskHolders(PoolKind kind, StreamRef stream, size_t roun
     ask = ask > std::numeric_limits<size_t>::max() / 2 ? ask : ask * 2;
   }
   return block;
+}
+
+bool DeviceAllocator::CouldEverFit(size_t size) const {
+  std::lock_guard lock(mutex_);
+  return CouldEverFitLocked(policy_.RoundSize(size));
+}
+
+bool DeviceAllocator::CouldEverFitLocked(size_t rounded) const {
+  if (rounded > TotalMemory()) return false;
+  const size_t limit = Limit();
+  if (limit == 0 || rounded <= limit) return true;
+  // Over a limit set after memory was reserved, a segment already that large can still serve.
+  return std::any_of(segments_.begin(), segments_.end(),
+                     [&](const auto& segment) { return segment.second.size >= rounded; });
 }
 
 BlockId DeviceAllocator::Reclaim(PoolKind kind, StreamRef stream, size_t rounded) {

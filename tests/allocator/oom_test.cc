@@ -71,6 +71,23 @@ TEST_F(OomTest, HoldersAreNotAskedForARequestThatCanNeverFit) {
   allocator_->Free(fits);
 }
 
+// A limit set lower after memory was reserved: a segment larger than the new limit can still
+// serve a request larger than it, once its holder gives it back. The holders are asked.
+TEST_F(OomTest, ARequestOverALoweredLimitThatASegmentCanServeAsksTheHolders) {
+  void* held = Alloc(40 * kMiB);
+  allocator_->AddFreeMemoryCallback([&](int, size_t) -> size_t {
+    if (held == nullptr) return 0;
+    allocator_->Free(held);
+    held = nullptr;
+    return 40 * kMiB;
+  });
+  allocator_->SetMemoryLimit(32 * kMiB, 0);
+  void* again = nullptr;
+  ASSERT_NO_THROW(again = Alloc(40 * kMiB));
+  EXPECT_EQ(held, nullptr);
+  allocator_->Free(again);
+}
+
 TEST_F(OomTest, FreeMemoryCallbackTurnsFailureIntoSuccess) {
   void* held = Alloc(40 * kMiB);
   size_t asked = 0;

@@ -292,6 +292,26 @@ TEST_F(OffloadPolicyTest, OffloadTwoViewsAcquiredDuringOneReloadAreOneStall) {
   EXPECT_GE(EngineStat("stall_us"), 50'000) << "the stall was timed from the second acquire";
 }
 
+// A request larger than the device fits nowhere: `auto` spills nothing for it (its budget check
+// spilled every save, for nothing, before the out-of-memory error), as a batch-size search that
+// probes sizes too large would make it at every probe. The error is the same.
+TEST_F(OffloadPolicyTest, OffloadAutoSpillsNothingForARequestLargerThanTheDevice) {
+  OffloadConfig config = Policy(OffloadPolicy::kAuto);
+  config.budget_bytes = 16 * kMiB;
+  config.prefetch_bytes = 0;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::vector<std::shared_ptr<TestStorage>> saved;
+  std::vector<KeeperId> ids;
+  for (uint32_t i = 0; i < 3; ++i) {
+    saved.push_back(NewStorage(4 * kMiB, 40 + i));
+    ids.push_back(Save(saved.back()));
+    saved.back()->holders = 0;
+  }
+  EXPECT_THROW(allocator_->Malloc(128 * kMiB, 0, compute_), OutOfMemoryError);
+  EXPECT_EQ(EngineStat("num_spills"), 0) << "saves were spilled for a request that fits nowhere";
+  for (uint32_t i = 0; i < 3; ++i) EXPECT_EQ(StateOf(saved[i]), Residency::kResident);
+}
+
 // With no pinned buffer of a size to be had (here the host limit), `auto` tries no entry as large
 // in that pass, and counts each entry kept for it once (the skip counts grew by the number of
 // candidates at each allocation). A smaller entry that fits is still spilled.
