@@ -1,5 +1,7 @@
 #include "hooks/runtime.h"
 
+#include <utility>
+
 #include "absl/strings/str_format.h"
 #include "allocator/errors.h"
 #include "allocator/process_allocator.h"
@@ -81,11 +83,22 @@ void Runtime::Install(const std::string& device, const std::string& conf, size_t
         install_call_, call));
   }
   const Config parsed = named(base);
-  if (!ConfigureProcessAllocator(parsed) && ProcessConfig().device != parsed.device) {
-    throw InvalidArgumentError(
-        "Spillway's process allocator was already created for another device (by the C ABI, "
-        "from SPILLWAY_ALLOC_CONF, or by an earlier install that failed); install before any "
-        "allocation");
+  if (!ConfigureProcessAllocator(parsed)) {
+    const Config made = ProcessConfig();
+    if (made.device != parsed.device) {
+      throw InvalidArgumentError(
+          "Spillway's process allocator was already created for another device (by the C ABI, "
+          "from SPILLWAY_ALLOC_CONF, or by an earlier install that failed); install before any "
+          "allocation");
+    }
+    // A retry after a failed install: the allocator that attempt made keeps its settings.
+    if (abandoned_ && made.allocator != parsed.allocator) {
+      throw InvalidArgumentError(absl::StrFormat(
+          "spillway.install: an earlier install in this process failed after it had created "
+          "Spillway's allocator (%s), and this call asks for other allocator settings (%s); "
+          "retry with the same ones, or in a new process",
+          abandoned_call_, call));
+    }
   }
   allocator_ = &ProcessAllocator();
   config_ = parsed;
@@ -101,7 +114,8 @@ void Runtime::AbandonCudaInstall() {
         "AbandonCudaInstall: only a CUDA install that nothing used yet can be undone");
   }
   mode_ = Mode::kNone;
-  install_call_.clear();
+  abandoned_ = true;
+  abandoned_call_ = std::exchange(install_call_, {});
   config_ = Config{};
   allocator_ = nullptr;
 }

@@ -55,6 +55,10 @@ class Runtime {
   Mode mode_ = Mode::kNone;
   // The install's device, capacity and conf, as an error for a different call shows them.
   std::string install_call_;
+  // A CUDA install undone (AbandonCudaInstall): the process allocator it made stays, with its
+  // settings, and a retry must ask for the same ones.
+  bool abandoned_ = false;
+  std::string abandoned_call_;
   Config config_;
   CachingAllocator* allocator_ = nullptr;
   std::unique_ptr<OffloadEngine> engine_;

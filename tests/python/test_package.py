@@ -188,9 +188,20 @@ def test_a_cuda_install_whose_route_fails_leaves_nothing_installed():
             except OSError as error:
                 print("ERR", error)
             print("mode", spillway.installed())
+        # The allocator the first attempt made keeps its settings: a retry asking for others is
+        # refused rather than run with settings it did not ask for.
+        try:
+            spillway.install("cuda", conf="max_split_size_mb:64")
+        except ValueError as error:
+            print("REFUSED", error)
+        print("mode", spillway.installed())
     """)
-    assert result.stdout.splitlines() == [
+    assert result.stdout.splitlines()[:4] == [
         "ERR libcudart.so.12: cannot open shared object file", "mode None"] * 2, result
+    assert result.stdout.splitlines()[4].startswith("REFUSED spillway.install: an earlier install "
+                                                    "in this process failed"), result
+    assert "max_split_size_mb:64" in result.stdout.splitlines()[4], result
+    assert result.stdout.splitlines()[5] == "mode None", result
 
 
 def test_cuda_allocator_adapter_needs_a_cuda_install():
