@@ -2,6 +2,8 @@
 // offload engine. One per process, created by `spillway.install()` (or the environment hook).
 #pragma once
 
+#include <c10/core/Device.h>
+
 #include <memory>
 #include <mutex>
 #include <string>
@@ -46,6 +48,10 @@ class Runtime {
   // The stream torch work on `device` goes to now: the default stream on the simulated device
   // (CPU kernels run on the host), the current CUDA stream otherwise.
   StreamRef CurrentStream(int device) const;
+  // Whether Spillway serves `device`: the CPU on the simulated device, CUDA otherwise.
+  bool Serves(c10::Device device) const {
+    return mode() == Mode::kSim ? device.is_cpu() : device.is_cuda();
+  }
   // True when consumers are host code (the simulated device): unpack waits on the host.
   bool host_consumers() const { return mode() == Mode::kSim; }
 

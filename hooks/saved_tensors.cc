@@ -26,8 +26,7 @@ const char* SkipReason(const at::Tensor& t, const Runtime& runtime) {
   if (t.key_set().has(c10::DispatchKey::Python)) return "subclass";
   if (t.is_quantized()) return "quantized";
   if (!t.has_storage()) return "no_storage";
-  const bool on_device = runtime.mode() == Mode::kSim ? t.device().is_cpu() : t.is_cuda();
-  if (!on_device) return "other_device";
+  if (!runtime.Serves(t.device())) return "other_device";
   return nullptr;
 }
 

@@ -75,11 +75,11 @@ py::dict Release(const at::Tensor& tensor, bool force) {
   }
   // A storage with no memory passes the check below: one on a device Spillway does not serve (a
   // meta tensor, say) must not be emptied all the same.
-  const Mode mode = Runtime::Get().mode();
-  if (!(mode == Mode::kCuda && tensor.is_cuda()) && !(mode == Mode::kSim && tensor.is_cpu())) {
-    throw InvalidArgumentError("spillway.release: a tensor on " + tensor.device().str() +
-                               " is not on the device Spillway serves (" +
-                               (mode == Mode::kSim ? "cpu, the simulated device" : "cuda") + ")");
+  if (const Runtime& runtime = Runtime::Get(); !runtime.Serves(tensor.device())) {
+    throw InvalidArgumentError(
+        "spillway.release: a tensor on " + tensor.device().str() +
+        " is not on the device Spillway serves (" +
+        (runtime.mode() == Mode::kSim ? "cpu, the simulated device" : "cuda") + ")");
   }
   const c10::Storage& storage = tensor.storage();
   // Memory of another allocator (torch.from_numpy, a tensor made before install), or a second
