@@ -2,6 +2,7 @@
 
 import collections
 import contextlib
+import itertools
 import numbers
 import os
 import threading
@@ -145,13 +146,17 @@ class _Kept:
     def __init__(self, tensor):
         self.tensor = tensor.detach()
         self.version = tensor._version
-        # release() must see this save, as the engine's keepers show it the others.
+        # release(), keepers() and residency() must see this save, as the engine's keepers show
+        # them the others.
         key = _storage_key(self.tensor)
         if key:
+            token = next(_kept_tokens)
+            view = {"kind": "saved", "shape": tuple(self.tensor.shape),
+                    "stride": tuple(self.tensor.stride()), "offset": self.tensor.storage_offset()}
             with _kept_lock:
                 _settle_kept()
-                _kept_counts[key] = _kept_counts.get(key, 0) + 1
-            weakref.finalize(self, _kept_gone.append, key)
+                _kept_views.setdefault(key, {})[token] = view
+            weakref.finalize(self, _kept_gone.append, (key, token))
 
     def unpack(self):
         if self.tensor._version != self.version:
@@ -164,29 +169,31 @@ class _Kept:
         return self.tensor
 
 
-# Storage (its StorageImpl's address, stable while a _Kept holds it) -> how many saves kept as
-# they are hold it now. Finalizers only queue their key (they may run on any thread, or inside
-# the locked region when a collection starts there); the counts change under the lock.
+# Storage (its StorageImpl's address, stable while a _Kept holds it) -> {token: the saved view}
+# of the saves kept as they are that hold it now. Finalizers only queue their (key, token) (they
+# may run on any thread, or inside the locked region when a collection starts there); the views
+# change under the lock.
 _kept_lock = threading.Lock()
-_kept_counts = {}
+_kept_views = {}
 _kept_gone = collections.deque()
+_kept_tokens = itertools.count(1)
 
 
 def _settle_kept():
     while _kept_gone:
-        key = _kept_gone.popleft()
-        left = _kept_counts.get(key, 0) - 1
-        if left > 0:
-            _kept_counts[key] = left
-        else:
-            _kept_counts.pop(key, None)
+        key, token = _kept_gone.popleft()
+        views = _kept_views.get(key, {})
+        views.pop(token, None)
+        if not views:
+            _kept_views.pop(key, None)
 
 
 def _kept_saves_of(tensor):
+    """The views of the saves kept as they are that hold the tensor's storage."""
     key = _storage_key(tensor)
     with _kept_lock:
         _settle_kept()
-        return _kept_counts.get(key, 0) if key else 0
+        return [dict(view) for view in _kept_views.get(key, {}).values()] if key else []
 
 
 def _storage_key(tensor):
@@ -372,7 +379,15 @@ def keepers(tensor):
     `tensor` itself)."""
     _check_tensor("keepers", tensor)
     _require_installed("keepers")
-    return _C.keepers(tensor)
+    found = _C.keepers(tensor)
+    kept = _kept_saves_of(tensor)
+    if not kept:
+        return found
+    # A save kept as it is (a subclass) holds the storage through a tensor of its own, which the
+    # C++ side counts as an external holder: it is a saved view.
+    external = sum(k["count"] for k in found if k["kind"] == "external") - len(kept)
+    saved = [k for k in found if k["kind"] != "external"] + kept
+    return saved + ([{"kind": "external", "count": external}] if external > 0 else [])
 
 
 def release(tensor, force=False):
@@ -385,7 +400,7 @@ def release(tensor, force=False):
     _check_tensor("release", tensor)
     force = _check_bool("force", force)
     _require_installed("release")
-    kept = _kept_saves_of(tensor)
+    kept = len(_kept_saves_of(tensor))
     if kept and not force:
         # Saves of tensor subclasses, which Spillway keeps as they are in Python: the engine
         # does not know them, and backward would read freed memory (a crash, not an error).
@@ -402,7 +417,9 @@ def residency(tensor):
     when Spillway tracks no saved tensor of that storage."""
     _check_tensor("residency", tensor)
     _require_installed("residency")
-    return _C.residency(tensor)
+    where = _C.residency(tensor)
+    # Saves kept as they are (subclasses) stay on the device.
+    return "resident" if where is None and _kept_saves_of(tensor) else where
 
 
 def record_history(enabled=True, max_entries=100000, stacks="python"):

@@ -115,6 +115,23 @@ def test_release_refuses_a_storage_a_kept_subclass_save_needs():
     assert spillway.release(t)["freed_bytes"] == 64 * 4
 
 
+def test_keepers_and_residency_see_saves_kept_as_they_are():
+    """Python review: a subclass save, which release() refuses for, was an anonymous external
+    holder to keepers() and no saved tensor at all to residency()."""
+    w = torch.randn(8, 8, requires_grad=True)
+    t = torch.randn(8, 8)
+    with spillway.offload("eager", min_bytes=0):
+        loss = (w * t.t().as_subclass(Tagged)).sum()  # mul saves the transposed Tagged view
+    assert spillway.keepers(t) == [
+        {"kind": "saved", "shape": (8, 8), "stride": (1, 8), "offset": 0},
+        {"kind": "external", "count": 1}]  # t itself
+    assert spillway.residency(t) == "resident"
+    loss.backward()
+    del loss
+    assert spillway.keepers(t) == [{"kind": "external", "count": 1}]
+    assert spillway.residency(t) is None
+
+
 def test_a_forced_release_of_a_kept_storage_leaves_its_next_owner_free_to_release():
     """Review: kept saves were counted by address; after a forced release the next tensor given
     that block was refused as if the kept save were its own."""
