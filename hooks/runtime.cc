@@ -12,6 +12,12 @@
 #endif
 
 namespace spillway::torch_layer {
+namespace {
+
+constexpr const char* kNotInstalled =
+    "spillway is not installed: call spillway.install(device=\"cuda\" or \"sim\") first";
+
+}  // namespace
 
 Runtime& Runtime::Get() {
   // Leaked on purpose: saved tensors may be released during interpreter shutdown.
@@ -128,17 +134,20 @@ Mode Runtime::mode() const {
 CachingAllocator& Runtime::allocator() const {
   std::lock_guard lock(mutex_);
   if (allocator_ == nullptr) {
-    throw InvalidArgumentError(
-        "spillway is not installed: call spillway.install(device=\"cuda\" or \"sim\") first");
+    throw InvalidArgumentError(kNotInstalled);
   }
   return *allocator_;
 }
 
 OffloadEngine& Runtime::engine() {
-  CachingAllocator& alloc = allocator();
   std::lock_guard lock(mutex_);
+  // The allocator and the configuration in one hold: an install undone in between
+  // (AbandonCudaInstall) must not leave an engine made with another install's settings.
+  if (allocator_ == nullptr) {
+    throw InvalidArgumentError(kNotInstalled);
+  }
   if (engine_ == nullptr) {
-    engine_ = std::make_unique<OffloadEngine>(alloc, config_.offload);
+    engine_ = std::make_unique<OffloadEngine>(*allocator_, config_.offload);
     for (const char* reason : kTorchSkipReasons) engine_->DeclareSkipReason(reason);
   }
   return *engine_;
