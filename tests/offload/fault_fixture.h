@@ -108,6 +108,25 @@ class OffloadFaultInjection : public OffloadEngineTest {
     return out;
   }
 
+  // Runs every op already enqueued on the device's streams, without asking any of them for an
+  // error (the simulated device drains on a raw free and reports nothing).
+  void DrainWithoutLooking() {
+    void* raw = backend_->device_malloc(0, kMiB).value();
+    backend_->device_free(0, raw);
+  }
+
+  // Spills `s` (saved, and held until now) by a copy that fails, and lets that copy run with
+  // nobody hearing of it: the entry stays spilling, its old block pending on the copy.
+  void SpillByACopyNobodyHearsFail(TestStorage& s) {
+    {
+      auto hold = backend_->hold_stream(0, compute_.handle);  // the copy waits behind it
+      s.holders = 0;
+      WithNextCopyFailing([&] { engine_->ForwardEnd(); });
+      ASSERT_EQ(engine_->Describe(&s).value().residency, Residency::kSpilling);
+    }
+    DrainWithoutLooking();
+  }
+
   // Drops every keeper and storage, then checks that neither device nor pinned memory is left.
   void DropAllAndExpectNoLeaks(const std::vector<KeeperId>& ids) {
     for (const KeeperId id : ids) engine_->RemoveKeeper(id);

@@ -1,0 +1,284 @@
+// A failed copy is heard of by whoever looks at its stream first, and that need not be the
+// engine: the allocator (its wait for a block a spill gave back, in the out-of-memory ladder or
+// on another thread) or the pinned pool (polling a buffer freed for a copy stream). Each test
+// arranges one such path and checks that the engine still fails the entries the copy belonged
+// to, before it trusts a copy that read from it, and no entry whose copy came after.
+#include <chrono>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "allocator/errors.h"
+#include "tests/offload/fault_fixture.h"
+
+namespace spillway::testing {
+namespace {
+
+class OffloadHeardFailure : public OffloadFaultInjection {};
+
+// that was never filled, and a later reload returns whatever it held.
+TEST_F(OffloadHeardFailure, OffloadAFailureTheLadderHeardFailsThePrefetchThatReadIt) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 12 * kMiB;  // a, when backward acquires b
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 81);
+  std::shared_ptr<TestStorage> b = NewStorage(16 * kMiB, 82);
+  const KeeperId ida = Save(a);
+  const KeeperId idb = Save(b);
+  {
+    auto hold = backend_->hold_stream(0, compute_.handle);  // a's spill copy waits behind it
+    a->holders = 0;
+    WithNextCopyFailing([&] { engine_->ForwardEnd(); });  // a's copy to the host
+    ASSERT_EQ(StateOf(a), Residency::kSpilling);
+    engine_->Acquire(idb, compute_);  // backward starts: a is prefetched while still spilling
+    ASSERT_EQ(StateOf(a), Residency::kReloading);
+  }
+  // The failing copy runs; the prefetch after it too. Nobody has looked at the spill's stream.
+  backend_->synchronize_stream(0, engine_->h2d_stream_for_testing(0).handle);
+  // More than is free: the ladder's wait for a's old block hears of the failure, then the
+  // engine is asked to give memory back.
+  void* p = nullptr;
+  try {
+    p = allocator_->Malloc(40 * kMiB, 0, compute_);
+  } catch (const OutOfMemoryError&) {
+    // Whether it fits is not the point.
+  }
+  EXPECT_EQ(StateOf(a), Residency::kFailed) << "a passed for spilled with bytes never copied";
+  ExpectLost(ida);
+  if (p != nullptr) allocator_->Free(p);
+  EXPECT_EQ(AcquireAndRead(idb, 16 * kMiB), Pattern(16 * kMiB, 82));
+  a.reset();
+  b.reset();
+  DropAllAndExpectNoLeaks({ida, idb});
+}
+
+// must take it: a must fail, not pass for resident with a host buffer that was never filled.
+TEST_F(OffloadHeardFailure, OffloadAFailureAnotherThreadIsPassingOnFailsTheReloadThatReadIt) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 0;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> x = NewStorage(12 * kMiB, 86);  // saved first: refreshed first
+  std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 87);
+  const KeeperId idx = Save(x);
+  const KeeperId ida = Save(a);
+  x->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(x), Residency::kSpilled);
+  auto h2d_hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+  // a's spill copy waits behind this one: nobody can hear of its failure before the allocation
+  // made for that below.
+  auto compute_hold = backend_->hold_stream(0, compute_.handle);
+  // x's copy back waits behind the hold; its consumer is another stream, so that the compute
+  // stream (which a's spill waits for) does not wait for it.
+  engine_->Acquire(idx, backend_->create_stream(0));
+  a->holders = 0;
+  WithNextCopyFailing([&] { engine_->ForwardEnd(); });  // a's copy to the host
+  engine_->Acquire(ida, compute_);  // a's copy back, queued after x's, reads that spill
+  ASSERT_EQ(StateOf(a), Residency::kReloading);
+  // The device is full but for a's old block, pending on the spill.
+  void* filler = allocator_->Malloc(64 * kMiB - backend_->bytes_in_use(0), 0, compute_);
+  ASSERT_EQ(backend_->bytes_in_use(0), 64 * kMiB);
+
+  // The engine waits for x's copy under its lock, then looks at a's spill.
+  std::thread engine_thread([&] { engine_->Synchronize(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  compute_hold->Open();  // a's spill copy runs, and fails
+  // This allocation waits for a's old block, hears of the failure, gets the block and then waits
+  // for the engine's lock to pass the failure on; the hold opens meanwhile. (Should the threads
+  // run in another order, the failure reaches a's entry all the same.)
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    h2d_hold->Open();
+  });
+  void* p = allocator_->Malloc(12 * kMiB, 0, compute_);
+  opener.join();
+  engine_thread.join();
+  EXPECT_EQ(StateOf(a), Residency::kFailed) << "a passed for resident with bytes never copied";
+  ExpectLost(ida);
+  allocator_->Free(p);
+  allocator_->Free(filler);
+  EXPECT_EQ(AcquireAndRead(idx, 12 * kMiB), Pattern(12 * kMiB, 86));
+  x.reset();
+  a.reset();
+  DropAllAndExpectNoLeaks({idx, ida});
+}
+
+// already: told again, the engine must not fail the new spill, which came after it.
+TEST_F(OffloadHeardFailure, OffloadAFailureToldTwiceIsActedOnOnce) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 0;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 88);
+  // Made now: an allocation after the failing copy has run would hear of it first.
+  std::shared_ptr<TestStorage> c = NewStorage(2 * kMiB, 89);
+  const KeeperId ida = Save(a);
+  ASSERT_NO_FATAL_FAILURE(SpillByACopyNobodyHearsFail(*a));
+  // c's spill waits for its producer, held: it stays in flight until the end.
+  const StreamRef side = backend_->create_stream(0);
+  auto side_hold = backend_->hold_stream(0, side.handle);
+  c->holders = 0;
+  // The save of c holds the engine's lock while its storage is made (slowly, here): meanwhile an
+  // allocation hears of the failure and waits for that lock to pass it on. The save's policy run
+  // then takes the failure, and spills c.
+  KeeperId idc = 0;
+  std::thread saver([&] {
+    idc = engine_
+              ->AddKeeper(
+                  c.get(),
+                  [&] {
+                    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+                    return c;
+                  },
+                  FloatView(c->nbytes()), side)
+              .value();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  void* p = allocator_->Malloc(kMiB, 0, compute_);  // polls a's old block: hears of the failure
+  saver.join();
+  EXPECT_EQ(StateOf(a), Residency::kFailed);
+  ASSERT_NE(StateOf(c), Residency::kFailed) << "a failure heard before c's spill failed it";
+  side_hold->Open();
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(c), Residency::kSpilled);
+  EXPECT_EQ(AcquireAndRead(idc, 2 * kMiB), Pattern(2 * kMiB, 89));
+  allocator_->Free(p);
+  a.reset();
+  c.reset();
+  DropAllAndExpectNoLeaks({ida, idc});
+}
+
+// other's. Neither is the spill's, nor its caller's: the spill is not made now, nothing escapes.
+TEST_F(OffloadHeardFailure, OffloadASpillWhosePoolHearsTwoFailuresIsSkipped) {
+  accesses_follow_streams_ = true;  // dropping a's queued reload must not wait for it on the host
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 0;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 91);
+  std::shared_ptr<TestStorage> b = NewStorage(2 * kMiB, 92);
+  std::shared_ptr<TestStorage> c = NewStorage(2 * kMiB, 93);
+  const KeeperId ida = Save(a);
+  const KeeperId idb = Save(b);
+  const KeeperId idc = Save(c);
+  a->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(a), Residency::kSpilled);
+  {
+    // a's reload fails on the copy-back stream, and a is dropped while it is queued: its host
+    // buffer waits in the pool for that stream.
+    auto h2d_hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+    WithNextCopyFailing([&] { engine_->Acquire(ida, compute_); });
+    a.reset();
+    engine_->RemoveKeeper(ida);
+    // b's spill fails on the copy-out stream, and b is dropped while it is queued: its buffer
+    // waits for that stream.
+    auto compute_hold = backend_->hold_stream(0, compute_.handle);
+    b->holders = 0;
+    WithNextCopyFailing([&] { engine_->ForwardEnd(); });
+    ASSERT_EQ(StateOf(b), Residency::kSpilling);
+    b.reset();
+    engine_->RemoveKeeper(idb);
+  }
+  DrainWithoutLooking();  // both failures are there; nobody has heard of them
+  const int64_t copy_errors = EngineStat("skipped.copy_error");
+  c->holders = 0;
+  EXPECT_NO_THROW(engine_->ForwardEnd()) << "a failure of copies already dropped escaped";
+  EXPECT_EQ(EngineStat("skipped.copy_error"), copy_errors + 1);
+  EXPECT_EQ(StateOf(c), Residency::kResident);
+  EXPECT_EQ(Read(c), Pattern(2 * kMiB, 93));
+  // The pool has heard everything now: the next save spills and comes back whole.
+  std::shared_ptr<TestStorage> d = NewStorage(2 * kMiB, 94);
+  const KeeperId idd = Save(d);
+  d->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(d), Residency::kSpilled);
+  EXPECT_EQ(AcquireAndRead(idd, 2 * kMiB), Pattern(2 * kMiB, 94));
+  c.reset();
+  d.reset();
+  DropAllAndExpectNoLeaks({idc, idd});
+}
+
+// spills in flight, not a healthy reload in flight on the other stream.
+TEST_F(OffloadHeardFailure, OffloadASpillsFailureThePoolHearsSparesReloads) {
+  accesses_follow_streams_ = true;  // dropping c's queued spill must not wait for it on the host
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 0;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 95);
+  std::shared_ptr<TestStorage> c = NewStorage(2 * kMiB, 96);
+  std::shared_ptr<TestStorage> d = NewStorage(2 * kMiB, 97);
+  const KeeperId ida = Save(a);
+  const KeeperId idc = Save(c);
+  const KeeperId idd = Save(d);
+  a->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(a), Residency::kSpilled);
+  // a's copy back waits behind a hold; its consumer is another stream, so that the compute
+  // stream (which c's spill waits for) does not wait for it.
+  auto h2d_hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+  engine_->Acquire(ida, backend_->create_stream(0));
+  ASSERT_EQ(StateOf(a), Residency::kReloading);
+  // c's spill fails, and c is dropped while it is queued: its host buffer waits in the pool for
+  // the copy-out stream. A watcher learns when that stream has passed the copy, without looking.
+  const StreamRef watcher = backend_->create_stream(0);
+  {
+    auto compute_hold = backend_->hold_stream(0, compute_.handle);
+    c->holders = 0;
+    WithNextCopyFailing([&] { engine_->ForwardEnd(); });
+    ASSERT_EQ(StateOf(c), Residency::kSpilling);
+    c.reset();
+    engine_->RemoveKeeper(idc);
+    EventHandle passed = backend_->create_event(0);
+    backend_->record_event(0, passed, engine_->d2h_stream_for_testing(0).handle);
+    backend_->stream_wait_event(0, watcher.handle, passed);
+    backend_->destroy_event(0, passed);
+  }
+  backend_->synchronize_stream(0, watcher.handle);
+  // d's spill asks the pool for a buffer; the pool hears of c's failure.
+  d->holders = 0;
+  EXPECT_NO_THROW(engine_->ForwardEnd());
+  h2d_hold->Open();
+  EXPECT_NO_THROW(engine_->WaitResident(ida)) << "a healthy reload failed with a spill";
+  EXPECT_EQ(AcquireAndRead(ida, 2 * kMiB), Pattern(2 * kMiB, 95));
+  engine_->Synchronize();
+  EXPECT_EQ(AcquireAndRead(idd, 2 * kMiB), Pattern(2 * kMiB, 97));
+  a.reset();
+  d.reset();
+  DropAllAndExpectNoLeaks({ida, idd});
+}
+
+// rescue waited for its spills, it failed them too.
+TEST_F(OffloadHeardFailure, OffloadAFailureTheLadderHeardSparesTheRescuesOwnSpills) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 0;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 84);
+  // Made now: an allocation after the failing copy has run would hear of it first.
+  std::shared_ptr<TestStorage> c = NewStorage(8 * kMiB, 85);
+  const KeeperId ida = Save(a);
+  ASSERT_NO_FATAL_FAILURE(SpillByACopyNobodyHearsFail(*a));
+  const KeeperId idc = Save(c);  // saved after the policy ran: left for the rescue
+  c->holders = 0;
+  // More than is free: the ladder's wait for a's old block hears of the failure, then the
+  // engine is asked for memory and spills c.
+  void* p = nullptr;
+  try {
+    p = allocator_->Malloc(60 * kMiB, 0, compute_);
+  } catch (const OutOfMemoryError&) {
+    // Whether it fits is not the point.
+  }
+  EXPECT_EQ(StateOf(a), Residency::kFailed);
+  if (p != nullptr) allocator_->Free(p);
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(c), Residency::kSpilled) << "the rescue's healthy spill was failed too";
+  EXPECT_EQ(AcquireAndRead(idc, 8 * kMiB), Pattern(8 * kMiB, 85));
+  a.reset();
+  c.reset();
+  DropAllAndExpectNoLeaks({ida, idc});
+}
+
+}  // namespace
+}  // namespace spillway::testing
