@@ -20,9 +20,11 @@ class StreamReuseTest : public SimAllocatorTest {
   }
 
   // Frees a block whose use on other_ is a copy that fails: the failure waits, unheard, for the
-  // first look at the block's pending free.
+  // first look at the block's pending free after this returns. (Held until then: run before the
+  // free, the copy's failure was found by the free itself, on this thread.)
   void FreeAfterAFailingCopyOnOther() {
     void* p = Alloc(4096, stream_);
+    auto hold = backend_->hold_stream(0, other_.handle);
     backend_->fail_copy_after(1);
     backend_->memcpy_async(0, copy_target_.data(), p, 4096, CopyKind::kDeviceToHost, other_.handle);
     allocator_->RecordStream(p, other_);
