@@ -1,5 +1,7 @@
 """The package's entry points: install rules, argument checks, statistics."""
 
+import textwrap
+
 import pytest
 import torch
 
@@ -135,18 +137,23 @@ def test_cuda_install_without_cuda_is_a_clear_error():
         result.stderr
 
 
+# A CUDA torch, as far as install() can tell, with CUDA not yet initialized.
+FAKE_CUDA_TORCH = """
+import torch
+import spillway
+torch.version.cuda = "12.1"
+torch.cuda.is_available = lambda: True
+torch.cuda.is_initialized = lambda: False
+"""
+
+
 def test_a_cuda_install_with_no_route_to_torch_leaves_nothing_installed():
     """Review: with neither the c10 adapter nor CUDAPluggableAllocator (a CUDA torch before 2.0),
     the runtime was switched to CUDA before the torch side failed: installed() said "cuda" while
     PyTorch's own allocator served everything, and a second install returned silently."""
     if spillway._C.has_cuda_allocator():
         pytest.skip("this build has the c10 adapter")
-    result = run_script("""
-        import torch
-        import spillway
-        torch.version.cuda = "12.1"  # a CUDA torch, as far as install can tell
-        torch.cuda.is_available = lambda: True
-        torch.cuda.is_initialized = lambda: False
+    result = run_script(FAKE_CUDA_TORCH + textwrap.dedent("""
         if hasattr(torch.cuda.memory, "CUDAPluggableAllocator"):
             del torch.cuda.memory.CUDAPluggableAllocator
         for attempt in range(2):
@@ -156,7 +163,7 @@ def test_a_cuda_install_with_no_route_to_torch_leaves_nothing_installed():
             except RuntimeError as error:
                 print("ERR", error)
         print("mode", spillway.installed())
-    """)
+    """))
     lines = result.stdout.splitlines()
     assert lines[:2] == ["ERR spillway.install(device='cuda'): this build has no c10 allocator "
                          f"adapter and torch {torch.__version__} has no CUDAPluggableAllocator; "
@@ -170,12 +177,7 @@ def test_a_cuda_install_whose_route_fails_leaves_nothing_installed():
     allocator serving everything, and a retry returned silently."""
     if spillway._C.has_cuda_allocator():
         pytest.skip("this build has the c10 adapter")
-    result = run_script("""
-        import torch
-        import spillway
-        torch.version.cuda = "12.1"  # a CUDA torch, as far as install can tell
-        torch.cuda.is_available = lambda: True
-        torch.cuda.is_initialized = lambda: False
+    result = run_script(FAKE_CUDA_TORCH + textwrap.dedent("""
         class Unloadable:
             def __init__(self, *args):
                 raise OSError("libcudart.so.12: cannot open shared object file")
@@ -195,7 +197,7 @@ def test_a_cuda_install_whose_route_fails_leaves_nothing_installed():
         except ValueError as error:
             print("REFUSED", error)
         print("mode", spillway.installed())
-    """)
+    """))
     assert result.stdout.splitlines()[:4] == [
         "ERR libcudart.so.12: cannot open shared object file", "mode None"] * 2, result
     assert result.stdout.splitlines()[4].startswith("REFUSED spillway.install: an earlier install "
