@@ -23,6 +23,9 @@ std::string_view BlockStateName(BlockState state) {
 CachingAllocator::CachingAllocator(std::shared_ptr<Backend> backend, const AllocatorConfig& config)
     : backend_(std::move(backend)), config_(config) {
   if (backend_ == nullptr) throw InvalidArgumentError("CachingAllocator needs a backend, got null");
+  if (const absl::Status status = ValidateAllocatorConfig(config_); !status.ok()) {
+    throw InvalidArgumentError(std::string(status.message()));
+  }
   const int count = backend_->device_count();
   devices_.reserve(static_cast<size_t>(count));
   for (int d = 0; d < count; ++d) {

@@ -88,6 +88,14 @@ struct Config {
 // Parses `text` on top of `base`: keys not named keep `base`'s values. An empty string is valid.
 absl::StatusOr<Config> ParseConfig(std::string_view text, const Config& base = Config{});
 
+// Checks a configuration built in code rather than parsed: the ranges the fields' comments give,
+// unset values (0, unlimited) included. Code may go where the parser, which keeps to PyTorch's
+// ranges, does not: a max_split_size under 20 MiB (above 2 MiB), any history size. Errors name
+// the field, the value and what is accepted. `CachingAllocator` and `OffloadEngine` refuse what
+// fails these.
+absl::Status ValidateAllocatorConfig(const AllocatorConfig& config);
+absl::Status ValidateOffloadConfig(const OffloadConfig& config);
+
 // Reads `SPILLWAY_ALLOC_CONF` from the environment (unset = defaults).
 absl::StatusOr<Config> ConfigFromEnvironment();
 

@@ -51,10 +51,6 @@ void ConfigureOffload(const std::string& policy, int64_t budget_bytes, double bu
     }
     return static_cast<size_t>(value);
   };
-  if (!(budget_fraction > 0.0 && budget_fraction <= 1.0)) {
-    throw sw::InvalidArgumentError("bad value " + std::to_string(budget_fraction) +
-                                   " for budget_fraction: expected a fraction in (0, 1]");
-  }
   config.budget_bytes = non_negative("budget_bytes", budget_bytes);
   config.budget_fraction = budget_fraction;
   config.min_bytes = non_negative("min_bytes", min_bytes);

@@ -38,8 +38,17 @@ void OffloadEngine::Note(OffloadEvent::Kind kind, const Entry& e) {
   events_.push_back(OffloadEvent{NowMicros(), kind, e.device, e.key, e.nbytes});
 }
 
+const OffloadConfig& CheckedOffloadConfig(const OffloadConfig& config) {
+  if (const absl::Status status = ValidateOffloadConfig(config); !status.ok()) {
+    throw InvalidArgumentError(std::string(status.message()));
+  }
+  return config;
+}
+
+// Checked before the engine registers its callbacks with the allocator, so a refused
+// configuration leaves nothing behind.
 OffloadEngine::OffloadEngine(CachingAllocator& allocator, const OffloadConfig& config)
-    : allocator_(allocator), backend_(allocator.backend()), config_(config) {
+    : allocator_(allocator), backend_(allocator.backend()), config_(CheckedOffloadConfig(config)) {
   devices_.resize(static_cast<size_t>(allocator_.device_count()));
   windows_.resize(devices_.size());
   oom_callback_id_ = allocator_.AddFreeMemoryCallback(

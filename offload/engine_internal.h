@@ -14,6 +14,9 @@
 
 namespace spillway {
 
+// `config`, or InvalidArgumentError naming what ValidateOffloadConfig refused.
+const OffloadConfig& CheckedOffloadConfig(const OffloadConfig& config);
+
 // Depth of EngineLocks the calling thread holds.
 extern thread_local int engine_depth;
 

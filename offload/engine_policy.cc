@@ -249,6 +249,7 @@ void OffloadEngine::UpdateWatermarks() {
 }
 
 void OffloadEngine::SetConfig(const OffloadConfig& config) {
+  CheckedOffloadConfig(config);
   EngineLock lock(mutex_);
   // Entries saved so far keep the minimum size of the block they were saved in (offload blocks
   // nest, and each one sets the configuration as it starts and ends).

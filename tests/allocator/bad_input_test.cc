@@ -101,6 +101,14 @@ TEST_F(BadInputTest, MemoryFractionOutOfRangeIsRejected) {
   EXPECT_EQ(allocator_->memory_limit(0), 0u);
 }
 
+TEST(BadInputConfig, AnAllocatorRefusesAConfigurationOutOfRange) {
+  AllocatorConfig config;
+  config.max_split_size = size_t{1} << 20;  // a small segment could never be reused
+  const std::string what =
+      MessageOf([&] { CachingAllocator allocator(std::make_shared<SimBackend>(), config); });
+  EXPECT_NE(what.find("AllocatorConfig.max_split_size"), std::string::npos) << what;
+}
+
 TEST_F(BadInputTest, RecordStreamOnUnknownPointerIsRejected) {
   int local = 0;
   EXPECT_THROW(allocator_->RecordStream(&local, stream_), InvalidArgumentError);

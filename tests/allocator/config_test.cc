@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <cstdlib>
+#include <functional>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -464,6 +467,65 @@ TEST(SplitPytorchConfigTest, BadSpillwayValueIsAnError) {
 TEST(SplitPytorchConfigTest, MalformedStringIsAnError) {
   EXPECT_TRUE(Contains(ErrorOf(SplitPytorchConfig("expandable_segments:True,roundup:[1:2")),
                        "malformed item 2"));
+}
+
+// Configurations built in code go through the checks the parser makes on strings.
+TEST(ValidateConfigTest, DefaultsAndEveryParsedConfigAreValid) {
+  EXPECT_TRUE(ValidateAllocatorConfig(AllocatorConfig{}).ok());
+  EXPECT_TRUE(ValidateOffloadConfig(OffloadConfig{}).ok());
+  const Config parsed = ParseOk(
+      "max_split_size_mb:20,roundup_power2_divisions:[256:1,>:8],garbage_collection_threshold:0.9,"
+      "per_process_memory_fraction:1,history_entries:1,offload_budget_fraction:1,"
+      "offload_min_kb:0,prefetch_mb:0,host_limit_mb:0,offload:off");
+  EXPECT_TRUE(ValidateAllocatorConfig(parsed.allocator).ok());
+  EXPECT_TRUE(ValidateOffloadConfig(parsed.offload).ok());
+}
+
+TEST(ValidateConfigTest, AllocatorFieldsOutOfRangeAreNamed) {
+  const auto error_of = [](const std::function<void(AllocatorConfig&)>& change) {
+    AllocatorConfig config;
+    change(config);
+    const absl::Status status = ValidateAllocatorConfig(config);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    return std::string(status.message());
+  };
+  EXPECT_EQ(error_of([](AllocatorConfig& c) { c.max_split_size = 2 * kMiB; }),
+            "bad AllocatorConfig.max_split_size = 2097152 bytes: expected more than 2097152 bytes "
+            "(2 MiB, a small-pool segment), or SIZE_MAX for no limit");
+  EXPECT_TRUE(Contains(error_of([](AllocatorConfig& c) { c.roundup_power2_divisions[3] = 3; }),
+                       "roundup_power2_divisions[3] = 3: expected 0 or a power of two"));
+  EXPECT_TRUE(Contains(error_of([](AllocatorConfig& c) { c.garbage_collection_threshold = 1; }),
+                       "garbage_collection_threshold = 1: expected a number in [0, 1)"));
+  EXPECT_TRUE(Contains(error_of([](AllocatorConfig& c) {
+                         c.per_process_memory_fraction = std::numeric_limits<double>::quiet_NaN();
+                       }),
+                       "per_process_memory_fraction = nan: expected a number in [0, 1]"));
+  EXPECT_TRUE(
+      Contains(error_of([](AllocatorConfig& c) { c.history_entries = 0; }), "history_entries = 0"));
+  // Below the parser's 20 MiB floor but above a small segment: code may ask for it.
+  AllocatorConfig small_split;
+  small_split.max_split_size = 2 * kMiB + 512;
+  EXPECT_TRUE(ValidateAllocatorConfig(small_split).ok());
+}
+
+TEST(ValidateConfigTest, OffloadFieldsOutOfRangeAreNamed) {
+  const auto error_of = [](const std::function<void(OffloadConfig&)>& change) {
+    OffloadConfig config;
+    change(config);
+    const absl::Status status = ValidateOffloadConfig(config);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    return std::string(status.message());
+  };
+  EXPECT_EQ(error_of([](OffloadConfig& c) { c.budget_fraction = 0; }),
+            "bad OffloadConfig.budget_fraction = 0: expected a number in (0, 1]");
+  EXPECT_TRUE(Contains(error_of([](OffloadConfig& c) { c.budget_fraction = 1.5; }),
+                       "budget_fraction = 1.5"));
+  EXPECT_TRUE(Contains(error_of([](OffloadConfig& c) { c.policy = static_cast<OffloadPolicy>(7); }),
+                       "policy = 7: expected kOff, kEager or kAuto"));
+  EXPECT_TRUE(
+      Contains(error_of([](OffloadConfig& c) { c.prefetch_bytes = SIZE_MAX; }), "prefetch_bytes"));
+  EXPECT_TRUE(Contains(error_of([](OffloadConfig& c) { c.host_limit_bytes = SIZE_MAX; }),
+                       "host_limit_bytes"));
 }
 
 TEST(OffloadPolicyNameTest, NamesMatchConfigValues) {

@@ -541,6 +541,25 @@ TEST_F(OffloadPolicyTest, OffloadRescueGivesBackUnusedPrefetches) {
   }
 }
 
+// A refused configuration leaves the allocator as it was: no callback into an engine that never
+// came to be (the out-of-memory ladder below would call one), and the engine's settings unchanged.
+TEST_F(OffloadPolicyTest, OffloadAConfigurationOutOfRangeIsRefused) {
+  OffloadConfig bad;
+  bad.budget_fraction = 2.0;
+  try {
+    OffloadEngine engine(*allocator_, bad);
+    ADD_FAILURE() << "accepted budget_fraction 2";
+  } catch (const InvalidArgumentError& e) {
+    EXPECT_NE(std::string(e.what()).find("OffloadConfig.budget_fraction = 2"), std::string::npos)
+        << e.what();
+  }
+  const OffloadConfig before = engine_->config();
+  EXPECT_THROW(engine_->SetConfig(bad), InvalidArgumentError);
+  EXPECT_EQ(engine_->config(), before);
+  engine_.reset();  // the only engine that came to be goes; none may be called now
+  EXPECT_THROW(allocator_->Malloc(size_t{512} << 20, 0, compute_), OutOfMemoryError);
+}
+
 // One process per GPU is the common case: an auto budget must not ask the other devices for their
 // memory (on CUDA the question creates a context on each).
 TEST(OffloadBudget, OffloadAutoAsksOnlyTheDevicesInUse) {
