@@ -501,6 +501,9 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
     throw;
   }
   e.acquiring = false;
+  // The prefetch's own looks at the copy streams (a reload's copy call, another entry's wait) may
+  // have found this entry's copy failed: its pointer would hand out bytes that never arrived.
+  if (e.state == Residency::kFailed) ThrowLost(e);
   return e.storage->data();
 }
 

@@ -115,6 +115,47 @@ TEST_F(OffloadCopyFailure, OffloadAReloadThatFindsAPrefetchsFailureFailsThePrefe
   DropAllAndExpectNoLeaks({ida, idb, idc});
 }
 
+// The entry being acquired has its copy fail while its own Acquire prefetches an older entry:
+// that prefetch's allocation frees a cached segment (a free waits for the device, and the
+// failing copy runs), and its copy call on the same stream hears of the failure. Acquire must say
+// the bytes are lost rather than return the block the failed copy never wrote.
+TEST_F(OffloadCopyFailure, OffloadAnAcquireWhosePrefetchFindsItsCopyFailedSaysSo) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.budget_bytes = 64 * kMiB;  // the prefetch is not held back by a budget
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 81);
+  std::shared_ptr<TestStorage> b = NewStorage(12 * kMiB, 82);
+  const KeeperId ida = Save(a);
+  const KeeperId idb = Save(b);
+  a->holders = b->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(a), Residency::kSpilled);
+  ASSERT_EQ(StateOf(b), Residency::kSpilled);
+  // Cached: the two 12 MiB segments the spills freed. The program takes one back; a 10 MiB
+  // segment is left cached and free; 4 MiB of the device stay unreserved. b's reload takes the
+  // other 12 MiB segment; a's prefetch then needs the cached 10 MiB segment released.
+  void* program = allocator_->Malloc(12 * kMiB, 0, compute_);
+  void* for_b = allocator_->Malloc(12 * kMiB, 0, compute_);
+  void* cached = allocator_->Malloc(10 * kMiB, 0, compute_);
+  void* rest = allocator_->Malloc(26 * kMiB, 0, compute_);
+  allocator_->Free(cached);
+  allocator_->Free(for_b);
+  ASSERT_EQ(AllocStat("reserved_bytes.all.current"), static_cast<int64_t>(60 * kMiB));
+
+  ExpectLostAt([&] { WithNextCopyFailing([&] { engine_->Acquire(idb, compute_); }); },
+               /*times=*/1);
+  EXPECT_EQ(StateOf(b), Residency::kFailed);
+  EXPECT_TRUE(engine_->Describe(a.get())->prefetched) << "the prefetch did not run as arranged";
+  EXPECT_EQ(AcquireAndRead(ida, 12 * kMiB), Pattern(12 * kMiB, 81));
+  ExpectLost(idb);
+  allocator_->Free(program);
+  allocator_->Free(rest);
+  a.reset();
+  b.reset();
+  DropAllAndExpectNoLeaks({ida, idb});
+}
+
 // A host consumer waits for a reload whose copy fails: WaitResident reports the loss, every time,
 // as Acquire does, and the entry fails rather than pass for resident on the next call.
 TEST_F(OffloadCopyFailure, OffloadWaitResidentReportsAFailedReload) {
