@@ -225,10 +225,6 @@ bool OffloadEngine::EndPrefetch(Entry& e) {
 void OffloadEngine::DiscardCopies(Entry& e) {
   Refresh(e);
   EndPrefetch(e);
-  if (e.state == Residency::kSpilling || e.state == Residency::kSpilled) {
-    stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
-    Note(OffloadEvent::Kind::kDropSpilled, e);
-  }
   // A copy may still be reading or writing the host buffer: the pool reuses it only after the
   // stream that ran the copy has passed it.
   const DeviceContext& dc = Device(e.device);
@@ -260,6 +256,12 @@ void OffloadEngine::DiscardCopies(Entry& e) {
     }
   }
   ReleaseHost(e, last_use);
+  // Counted after the host buffer went back: the pool may have heard there that this entry's
+  // spill failed, and MarkFailed took its bytes out of the spilled ones then.
+  if (e.state == Residency::kSpilling || e.state == Residency::kSpilled) {
+    stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
+    Note(OffloadEvent::Kind::kDropSpilled, e);
+  }
 }
 
 void OffloadEngine::FreeHostBuffer(int device, void* host, std::optional<StreamRef> last_use) {

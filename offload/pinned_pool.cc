@@ -113,12 +113,15 @@ void PinnedPool::Free(void* ptr, std::optional<StreamRef> last_use) {
   blocks_.at(address).state = State::kPending;
   if (DeferLocked(address, *last_use)) return;
   // No event could be recorded: a host wait is the only other way to know the last use is over.
-  // If it throws too, the buffer stays quarantined rather than risk handing it out mid-copy.
+  // If the wait fails itself, the buffer stays quarantined rather than risk handing it out
+  // mid-copy. A failure of earlier work it reports comes after the wait: the stream has drained,
+  // and the buffer is free to go back.
   try {
     backend_.synchronize_stream(device_, last_use->handle);
   } catch (const BackendError& error) {
     deferred_error_.reset();
     if (!error.earlier_work()) throw;  // the wait's own failure names no stream's work
+    ReleaseLocked(address);
     throw StreamFailure(error, last_use->id);
   }
   ReleaseLocked(address);

@@ -51,10 +51,15 @@ class OffloadEngineTest : public ::testing::Test {
     options.capacity_bytes = capacity;
     options.max_jitter = jitter;
     options.accesses_follow_streams = accesses_follow_streams_;
-    backend_ = std::make_shared<SimBackend>(options);
+    backend_ = NewBackend(options);
     allocator_ = std::make_unique<CachingAllocator>(backend_, allocator_config);
     compute_ = backend_->default_stream(0);
     engine_ = std::make_unique<OffloadEngine>(*allocator_, config);
+  }
+
+  // The device Make builds on: a fixture may give a simulated device that answers differently.
+  virtual std::shared_ptr<SimBackend> NewBackend(const SimBackend::Options& options) {
+    return std::make_shared<SimBackend>(options);
   }
 
   void TearDown() override {

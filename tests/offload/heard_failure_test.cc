@@ -3,6 +3,7 @@
 // on another thread) or the pinned pool (polling a buffer freed for a copy stream). Each test
 // arranges one such path and checks that the engine still fails the entries the copy belonged
 // to, before it trusts a copy that read from it, and no entry whose copy came after.
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <thread>
@@ -15,6 +16,54 @@ namespace spillway::testing {
 namespace {
 
 class OffloadHeardFailure : public OffloadFaultInjection {};
+
+// A simulated device whose event queries answer "not yet" while `lag` is set: what a query made
+// just before a copy runs answers, when a call made just after it hears of the copy's failure.
+class LaggingQueriesSimBackend : public SimBackend {
+ public:
+  using SimBackend::SimBackend;
+  bool query_event(int device, EventHandle event) override {
+    if (lag.load()) return false;
+    return SimBackend::query_event(device, event);
+  }
+  std::atomic<bool> lag{false};
+};
+
+class OffloadHeardLate : public OffloadHeardFailure {
+ protected:
+  std::shared_ptr<SimBackend> NewBackend(const SimBackend::Options& options) override {
+    lagging_ = std::make_shared<LaggingQueriesSimBackend>(options);
+    return lagging_;
+  }
+  std::shared_ptr<LaggingQueriesSimBackend> lagging_;
+};
+
+// A spilling entry is dropped: its own look at the copy finds it not run yet, and the pinned
+// pool's record for the buffer it gives back, just after, hears that the copy failed. The entry's
+// bytes leave the spilled ones once (they left twice, and the statistic went below what the
+// other entry keeps spilled).
+TEST_F(OffloadHeardLate, OffloadADropThatHearsItsSpillFailedCountsItOnce) {
+  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> b = NewStorage(2 * kMiB, 98);
+  const KeeperId idb = Save(b);
+  b->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(b), Residency::kSpilled);
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 99);
+  const KeeperId ida = Save(a);
+  SpillByACopyNobodyHearsFail(*a);
+  ASSERT_EQ(EngineStat("spilled_bytes.current"), static_cast<int64_t>(4 * kMiB));
+  lagging_->lag = true;
+  a.reset();
+  engine_->RemoveKeeper(ida);
+  lagging_->lag = false;
+  EXPECT_EQ(EngineStat("spilled_bytes.current"), static_cast<int64_t>(2 * kMiB));
+  EXPECT_EQ(StateOf(b), Residency::kSpilled);
+  EXPECT_EQ(AcquireAndRead(idb, 2 * kMiB), Pattern(2 * kMiB, 98));
+  b.reset();
+  DropAllAndExpectNoLeaks({idb});
+}
 
 // that was never filled, and a later reload returns whatever it held.
 TEST_F(OffloadHeardFailure, OffloadAFailureTheLadderHeardFailsThePrefetchThatReadIt) {

@@ -448,6 +448,29 @@ TEST_F(OffloadPinnedPoolEvents, FreeWaitsOnTheHostWhenNoEventCanBeRecorded) {
   EXPECT_EQ(Take(pool, 4 * kKiB), p);
 }
 
+// No event for the free, and the host wait reports an earlier copy's failure: the wait drained
+// the stream all the same, so the buffer goes back (and the failure is passed on, naming it).
+TEST(OffloadPinnedPool, ABufferComesBackWhenTheHostWaitHearsAnEarlierFailure) {
+  SimBackend backend(SimBackend::Options{});
+  PinnedPool pool(backend, 0, Grow(kMiB));
+  UniqueStream stream(backend, 0);
+  absl::StatusOr<UniqueDeviceBuffer> device = UniqueDeviceBuffer::Allocate(backend, 0, 4 * kKiB);
+  ASSERT_TRUE(device.ok()) << device.status();
+  void* p = Take(pool, 4 * kKiB);
+  backend.fail_copy_after(1);
+  backend.memcpy_async(0, p, device->data(), 4 * kKiB, CopyKind::kDeviceToHost, stream.handle());
+  backend.fail_event_after(1);  // the pool's create_event: no event, a host wait instead
+  try {
+    pool.Free(p, stream.ref());
+    ADD_FAILURE() << "the copy's failure was not passed on";
+  } catch (const PinnedPool::StreamFailure& e) {
+    EXPECT_EQ(e.stream_id(), stream.ref().id);
+  }
+  backend.fail_event_after(-1);
+  EXPECT_EQ(pool.in_use_bytes(), 0u) << "a buffer whose stream had drained stayed quarantined";
+  EXPECT_EQ(Take(pool, 4 * kKiB), p);
+}
+
 TEST(OffloadPinnedPool, BufferStaysQuarantinedWhenItsStreamCannotBeWaitedOn) {
   SimBackend::Options options;
   options.devices = 2;
