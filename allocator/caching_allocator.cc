@@ -173,8 +173,10 @@ void CachingAllocator::SetStreamErrorObserver(StreamErrorObserver observer) {
 }
 
 void CachingAllocator::DeliverStreamErrors(int device) {
-  DeviceAllocator& allocator = At(device);
-  if (allocator.has_stream_errors()) DispatchStreamErrors(allocator, /*rethrow=*/true);
+  // Read under the device's lock (PendingStreamErrors), not from the flag: a thread that took a
+  // failure from the backend notes it under that lock, and the caller, whose own look at the
+  // stream found nothing since, must not trust a copy before the failure is noted.
+  DispatchStreamErrors(At(device), /*rethrow=*/true);
 }
 
 void CachingAllocator::DispatchStreamErrors(DeviceAllocator& device, bool rethrow) {

@@ -101,7 +101,8 @@ class CachingAllocator {
   void SetStreamErrorObserver(StreamErrorObserver observer);
   // Passes to the observer, now, the errors of `device` found and not yet passed on (a call
   // found them, and passes them on only as it returns), those another thread is passing on
-  // included. What the observer throws comes out of here (the errors stay pending). Call it
+  // included, and waits for one another thread has taken from the backend and is noting. What
+  // the observer throws comes out of here (the errors stay pending). Call it
   // with no allocator lock held.
   void DeliverStreamErrors(int device);
 

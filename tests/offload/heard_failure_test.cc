@@ -38,6 +38,59 @@ class OffloadHeardLate : public OffloadHeardFailure {
   std::shared_ptr<LaggingQueriesSimBackend> lagging_;
 };
 
+// A simulated device on which the first failure a query reports, once armed, stalls the thread
+// that took it (before that thread can note it) until released.
+class StallingSimBackend : public SimBackend {
+ public:
+  using SimBackend::SimBackend;
+  bool query_event(int device, EventHandle event) override {
+    try {
+      return SimBackend::query_event(device, event);
+    } catch (const BackendError&) {
+      if (armed.exchange(false)) {
+        taken = true;
+        while (!released) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      throw;
+    }
+  }
+  std::atomic<bool> armed{false}, taken{false}, released{false};
+};
+
+class OffloadHeardMidway : public OffloadHeardFailure {
+ protected:
+  std::shared_ptr<SimBackend> NewBackend(const SimBackend::Options& options) override {
+    stalling_ = std::make_shared<StallingSimBackend>(options);
+    return stalling_;
+  }
+  std::shared_ptr<StallingSimBackend> stalling_;
+};
+
+// Another thread's allocator call has taken a spill's failure from the copy stream and not noted
+// it yet when the engine looks at that copy: the stream has nothing more to tell the engine, and
+// the failure is on its way. The engine must wait for it rather than trust the copy (the entry
+// passed for spilled, and its reload brought back bytes that never left the device).
+TEST_F(OffloadHeardMidway, OffloadAFailureAnotherThreadIsStillFindingFailsTheSpill) {
+  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 100);
+  const KeeperId ida = Save(a);
+  SpillByACopyNobodyHearsFail(*a);  // a's old block waits in the allocator on the failed copy
+  stalling_->armed = true;
+  std::thread finder([&] { allocator_->ProcessEvents(0); });  // polls that block's event
+  while (!stalling_->taken) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    stalling_->released = true;
+  });
+  engine_->Synchronize();  // looks at a's copy: finds nothing; the failure is the finder's
+  releaser.join();
+  finder.join();
+  EXPECT_EQ(StateOf(a), Residency::kFailed) << "a copy whose failure was being found was trusted";
+  ExpectLost(ida);
+  a.reset();
+  DropAllAndExpectNoLeaks({ida});
+}
+
 // A spilling entry is dropped: its own look at the copy finds it not run yet, and the pinned
 // pool's record for the buffer it gives back, just after, hears that the copy failed. The entry's
 // bytes leave the spilled ones once (they left twice, and the statistic went below what the
