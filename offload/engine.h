@@ -113,9 +113,10 @@ class OffloadEngine {
                                     ViewInfo view, StreamRef producer);
   // The storage a keeper keeps (to rebuild its view), or null for an unknown keeper.
   std::shared_ptr<Storage> StorageOf(KeeperId id) const;
-  // Blocks the host until the keeper's storage is resident: for consumers that are host code
-  // (the simulated device's CPU kernels), which no stream wait can order. Throws spillway::Error,
-  // as Acquire does, when the copy failed.
+  // Blocks the host until the copies in flight for the keeper's storage are done: for consumers
+  // that are host code (the simulated device's CPU kernels), which no stream wait can order. Call
+  // it after Acquire: it brings nothing back itself (a spilled storage stays spilled). Throws
+  // spillway::Error, as Acquire does, when the copy failed.
   void WaitResident(KeeperId id);
   // The saved view is gone. The last keeper drops the entry and any host copy.
   void RemoveKeeper(KeeperId id);
@@ -124,8 +125,10 @@ class OffloadEngine {
   // before the storage lets go of its device memory: a reload still writing it is waited for.
   void MarkReleased(const void* key, const std::string& why);
   // Makes the storage resident and orders `consumer` after its reload; returns its device
-  // pointer. Throws spillway::Error when the bytes cannot be brought back (the entry stays
-  // spilled when that is possible, so a later call may succeed).
+  // pointer. Throws spillway::Error when the bytes cannot be brought back: OutOfMemoryError
+  // leaves the entry spilled, so a later call may succeed; a failed copy fails the entry for good
+  // (every reload in flight on that copy stream, prefetches included, since the backend does not
+  // say which copy failed), and each later call says so.
   void* Acquire(KeeperId id, StreamRef consumer);
 
   // Phase signal from the hooks: forward ended (eager spills everything eligible). Backward needs
@@ -248,6 +251,16 @@ class OffloadEngine {
   void DiscardCopies(Entry& e);
   void ReleaseHost(Entry& e, std::optional<StreamRef> last_use);
   size_t SpillOldest(int device, size_t target_allocated, bool include_window);
+  // One pass of a policy's spills. Once no pinned buffer of some size was to be had, larger
+  // entries are not tried again in the pass: each try would cost a pinned allocation, at every
+  // allocation (auto) or save (eager) the policy runs for. Such refusals are not for good: the
+  // next pass tries again (host memory comes back as spilled entries are read or dropped).
+  struct SpillPass {
+    size_t no_host_from = std::numeric_limits<size_t>::max();
+    std::string_view no_host_reason;
+    size_t released = 0;  // block bytes given back
+  };
+  void SpillInPass(Entry& e, SpillPass& pass);
   // Part of the rescue: turns prefetches nobody acquired yet back into spilled entries (their
   // host copies are still there), oldest first, until allocated bytes reach `target_allocated`.
   // Returns the bytes released.

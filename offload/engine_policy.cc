@@ -80,8 +80,11 @@ void OffloadEngine::RunPolicy() {
   }
   if (config_.policy == OffloadPolicy::kEager) {
     // What stays a candidate is what the program still holds: a few tensors, not the graph.
+    // (A refusal for good, a resized storage, drops the entry from the candidates; one for now,
+    // no pinned memory or a copy that could not be issued, leaves it for the next pass.)
+    SpillPass pass;
     VisitSpillCandidates(next_seq_, [&](Entry& e) {
-      if (Eligible(e) && Spill(e).outcome != SpillOutcome::kSpilled) e.policy_refused = true;
+      if (Eligible(e)) SpillInPass(e, pass);
       return true;
     });
   } else if (config_.policy == OffloadPolicy::kAuto) {
@@ -102,32 +105,30 @@ void OffloadEngine::SpillToBudget(int device, size_t incoming_bytes) {
   SpillOldest(device, target > incoming_bytes ? target - incoming_bytes : 0, false);
 }
 
+void OffloadEngine::SpillInPass(Entry& e, SpillPass& pass) {
+  if (e.nbytes >= pass.no_host_from) {
+    CountSkipOf(e, pass.no_host_reason);  // kept on the device for that reason all the same
+    return;
+  }
+  // Refused (a prefetch keeps its host copy until read, and GiveBackPrefetches takes those; no
+  // pinned memory; a copy that could not be issued; a resized storage): nothing released.
+  const SpillResult result = Spill(e);
+  switch (result.outcome) {
+    case SpillOutcome::kSpilled:
+      pass.released += result.block_bytes;
+      break;
+    case SpillOutcome::kNoHostMemory:
+      pass.no_host_from = e.nbytes;
+      pass.no_host_reason = e.skipped_for;
+      break;
+    case SpillOutcome::kRefused:
+      break;
+  }
+}
+
 size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool include_window) {
-  size_t released = 0;
-  // Once no pinned buffer of some size was to be had, larger ones are not tried again in this
-  // pass: each try would cost a pinned allocation at every allocation the policy runs for.
-  size_t no_host_from = std::numeric_limits<size_t>::max();
-  std::string_view no_host_reason;
-  const auto spill = [&](Entry& e) {
-    if (e.nbytes >= no_host_from) {
-      CountSkipOf(e, no_host_reason);  // kept on the device for that reason all the same
-      return;
-    }
-    // Refused (a prefetch keeps its host copy until read, and GiveBackPrefetches takes those; no
-    // pinned memory; a copy that could not be issued; a resized storage): nothing released.
-    const SpillResult result = Spill(e);
-    switch (result.outcome) {
-      case SpillOutcome::kSpilled:
-        released += result.block_bytes;
-        break;
-      case SpillOutcome::kNoHostMemory:
-        no_host_from = e.nbytes;
-        no_host_reason = e.skipped_for;
-        break;
-      case SpillOutcome::kRefused:
-        break;
-    }
-  };
+  SpillPass pass;
+  const auto spill = [&](Entry& e) { SpillInPass(e, pass); };
   if (include_window) {
     // The rescue (an allocation would fail otherwise): any eligible entry, oldest first, the
     // ones a policy would keep included. Rare enough to visit every entry.
@@ -135,7 +136,7 @@ size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool incl
       if (AllocatedBytes(device) <= target_allocated) break;
       if (entry->device == device && Eligible(*entry)) spill(*entry);
     }
-    return released;
+    return pass.released;
   }
   // The newest entries (up to the prefetch window) are needed first in backward: keep them.
   const Window& w = windows_[static_cast<size_t>(device)];
@@ -145,7 +146,7 @@ size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool incl
     if (e.device == device && Eligible(e)) spill(e);
     return true;
   });
-  return released;
+  return pass.released;
 }
 
 size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {

@@ -339,6 +339,31 @@ TEST_F(OffloadPolicyTest, OffloadAutoWithoutHostMemoryCountsEachRefusalOnce) {
   EXPECT_EQ(ReadOn(compute_, engine_->Acquire(small_id, compute_), kMiB / 2), Pattern(kMiB / 2, 9));
 }
 
+// Under eager, a save refused for want of host memory is spilled once memory comes back (it was
+// refused for good, and stayed on the device for the rest of its life).
+TEST_F(OffloadPolicyTest, OffloadEagerSpillsWhatHostMemoryRefusedOnceItComesBack) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 0;
+  config.host_limit_bytes = 4 * kMiB;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(4 * kMiB, 1);
+  std::shared_ptr<TestStorage> b = NewStorage(4 * kMiB, 2);
+  const KeeperId ida = Save(a);
+  const KeeperId idb = Save(b);
+  a->holders = b->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(a), Residency::kSpilled);
+  ASSERT_EQ(StateOf(b), Residency::kResident) << "the host limit did not hold b back";
+  EXPECT_EQ(EngineStat("skipped.host_limit"), 1);
+  a.reset();
+  engine_->RemoveKeeper(ida);  // its host copy goes back
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(b), Residency::kSpilled);
+  EXPECT_EQ(ReadOn(compute_, engine_->Acquire(idb, compute_), 4 * kMiB), Pattern(4 * kMiB, 2));
+}
+
 // A host limit set after the device's pinned pool exists applies to it (the pool took its limit
 // when made, and kept it): spills that would pass it are refused, and lifting it lets them go.
 TEST_F(OffloadPolicyTest, OffloadAHostLimitSetLaterAppliesToTheDevicesPool) {
