@@ -161,6 +161,14 @@ std::optional<AllocationInfo> CachingAllocator::Lookup(const void* ptr) const {
   return info;
 }
 
+std::optional<AllocationInfo> CachingAllocator::LookupContaining(const void* ptr) const {
+  std::optional<AllocationInfo> info;
+  FindOwner([&](const DeviceAllocator& device) {
+    return (info = device.LookupContaining(ptr)).has_value();
+  });
+  return info;
+}
+
 void CachingAllocator::EmptyCache() {
   for (const auto& device : devices_) {
     device->EmptyCache();

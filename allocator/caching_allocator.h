@@ -33,7 +33,9 @@ class CachingAllocator {
   CachingAllocator& operator=(const CachingAllocator&) = delete;
 
   // Allocates on `device` for use on `stream`. Throws InvalidArgumentError for a bad device or a
-  // size above kMaxRequest, OutOfMemoryError when even the out-of-memory ladder fails.
+  // size above kMaxRequest, OutOfMemoryError when even the out-of-memory ladder fails. A pressure
+  // handler or free-memory callback (the offload engine) may throw too: a BackendError it heard
+  // while making room (a failed copy of the program's on a stream it records on).
   void* Malloc(size_t size, int device, StreamRef stream);
   // Same, resolving a raw stream handle (null = the device's default stream) through the backend.
   void* Malloc(size_t size, int device, StreamHandle stream);
@@ -48,6 +50,8 @@ class CachingAllocator {
   void RecordStream(void* ptr, StreamRef stream);
   void RecordStream(void* ptr, StreamRef stream, int stream_device);
   std::optional<AllocationInfo> Lookup(const void* ptr) const;
+  // The live allocation `ptr` points into, on any device (interior pointers too).
+  std::optional<AllocationInfo> LookupContaining(const void* ptr) const;
   // The segment containing `ptr` on any device (PyTorch's getBaseAllocation), or null.
   std::optional<SegmentRange> SegmentOf(const void* ptr) const;
 

@@ -100,6 +100,9 @@ class DeviceAllocator {
   // a live allocation here.
   bool RecordStream(void* ptr, StreamRef stream, int stream_device);
   std::optional<AllocationInfo> Lookup(const void* ptr) const;
+  // The live allocation `ptr` points into (its start included): what a second storage over
+  // Spillway's memory (from_numpy, DLPack) or a view's data pointer belongs to.
+  std::optional<AllocationInfo> LookupContaining(const void* ptr) const;
   // The segment (one backend allocation) that contains `ptr`, live or free: for PyTorch's
   // getBaseAllocation. Null when no segment of this device contains it.
   std::optional<SegmentRange> SegmentOf(const void* ptr) const;
@@ -219,10 +222,13 @@ class DeviceAllocator {
   void NoteStreamError(int device, uint64_t stream, const BackendError& error);
   void Trace(TraceAction action, uintptr_t addr, size_t size, uint64_t stream,
              TraceContext context);
-  // Trace of a block: its stream's id is looked up only when history is on.
+  // Trace of a block: its stream's id is looked up only when history is on. An allocation's
+  // events carry the caller's size, as PyTorch's do (memory_viz draws those); a segment's, its
+  // size.
   void TraceBlock(TraceAction action, const Block& b, TraceContext context) {
     if (history_.enabled()) {
-      Trace(action, b.ptr, b.size(), streams_.id(b.stream), std::move(context));
+      const size_t size = action == TraceAction::kSegmentFree ? b.size() : b.requested;
+      Trace(action, b.ptr, size, streams_.id(b.stream), std::move(context));
     }
   }
   [[noreturn]] void ThrowOutOfMemory(size_t requested, size_t rounded);
@@ -230,6 +236,7 @@ class DeviceAllocator {
   size_t ComputeLimit() const;
   // The segment whose range holds `address`, or segments_.end().
   SegmentMap::const_iterator SegmentContaining(uintptr_t address) const;
+  AllocationInfo InfoLocked(const Block& b) const;
   void ResolveWatermark();
   size_t TotalMemory() const;
   // limit_, resolved first if a configured fraction is still pending. Under mutex_.

@@ -14,7 +14,24 @@ std::optional<AllocationInfo> DeviceAllocator::Lookup(const void* ptr) const {
   std::lock_guard lock(mutex_);
   const BlockId id = allocated_.Find(reinterpret_cast<uintptr_t>(ptr), AddressOf());
   if (id == kNoBlock) return std::nullopt;
-  const Block& b = arena_[id];
+  return InfoLocked(arena_[id]);
+}
+
+std::optional<AllocationInfo> DeviceAllocator::LookupContaining(const void* ptr) const {
+  std::lock_guard lock(mutex_);
+  const auto address = reinterpret_cast<uintptr_t>(ptr);
+  const auto segment = SegmentContaining(address);
+  if (segment == segments_.end()) return std::nullopt;
+  for (BlockId id = segment->second.head; id != kNoBlock; id = arena_[id].next) {
+    const Block& b = arena_[id];
+    if (address >= b.ptr && address < b.ptr + b.size()) {
+      return b.allocated ? std::optional(InfoLocked(b)) : std::nullopt;
+    }
+  }
+  return std::nullopt;
+}
+
+AllocationInfo DeviceAllocator::InfoLocked(const Block& b) const {
   // Every block of a segment has the segment's stream; the segment holds its handle.
   const auto segment = SegmentContaining(b.ptr);
   return AllocationInfo{.ptr = reinterpret_cast<void*>(b.ptr),

@@ -350,7 +350,7 @@ class SpillwayCudaAllocator final : public Base {
     try {
       return fn();
     } catch (const OutOfMemoryError& e) {
-      NotifyOom(e.device());
+      NotifyOom(e);
       C10_THROW_ERROR(OutOfMemoryError, e.what());
     } catch (const Error& e) {
       TORCH_CHECK(false, "Spillway: ", e.what());
@@ -361,17 +361,20 @@ class SpillwayCudaAllocator final : public Base {
     return Guard([&] { return alloc_.Malloc(size, device, static_cast<StreamHandle>(stream)); });
   }
 
-  void NotifyOom(int device) {
+  // As PyTorch calls them: the device, the request, the memory the process may use (its limit
+  // when one is set, else the device's total), and the device's free memory.
+  void NotifyOom(const OutOfMemoryError& error) {
     std::vector<cca::OutOfMemoryObserver> observers;
     {
       std::lock_guard lock(mutex_);
       observers = oom_observers_;
     }
     if (observers.empty()) return;
-    const DeviceStats s = alloc_.stats(device);
+    const int device = error.device();
     const MemInfo info = alloc_.backend().mem_info(device);
+    const size_t limit = alloc_.memory_limit(device);
     for (const auto& observer : observers) {
-      observer(device, static_cast<size_t>(s.allocated_bytes.all().current), info.total_bytes,
+      observer(device, error.requested_bytes(), limit != 0 ? limit : info.total_bytes,
                info.free_bytes);
     }
   }

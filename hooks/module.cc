@@ -145,6 +145,9 @@ PYBIND11_MODULE(_C, m) {
       .def("__repr__", [](const tl::SavedHandle& h) {
         return "<spillway.SavedHandle " + h.Describe() + (h.managed() ? " managed>" : " kept>");
       });
+  // What a save kept as it is in Python (a tensor subclass) holds: release() and keepers() see
+  // the save as long as the object lives.
+  py::class_<tl::KeptRegistration>(m, "KeptRegistration").def(py::init<const at::Tensor&>());
   m.def("pack", &tl::Pack);
   m.def("unpack", &tl::Unpack);
   m.def("forward_end", &tl::ForwardEnd);

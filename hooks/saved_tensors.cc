@@ -32,7 +32,8 @@ const char* SkipReason(const at::Tensor& t, const Runtime& runtime) {
 
 }  // namespace
 
-SavedHandle::SavedHandle(const at::Tensor& kept) : kept_(kept.defined() ? kept.detach() : kept) {
+SavedHandle::SavedHandle(const at::Tensor& kept)
+    : kept_(kept.defined() ? kept.detach() : kept), kept_registration_(kept_) {
   if (!kept.defined()) return;
   options_ = kept.options();
   if (!kept.is_nested()) sizes_ = kept.sizes().vec();  // for messages; nested tensors have none

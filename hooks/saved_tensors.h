@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "hooks/kept_saves.h"
 #include "offload/engine.h"
 
 namespace spillway::torch_layer {
@@ -36,6 +37,8 @@ class SavedHandle {
   void CheckVersion() const;
 
   at::Tensor kept_;
+  // A kept tensor over Spillway's memory: release() and keepers() must see it.
+  KeptRegistration kept_registration_;
   KeeperId id_ = 0;
   std::vector<int64_t> sizes_;
   std::vector<int64_t> strides_;

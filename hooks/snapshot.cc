@@ -11,6 +11,7 @@
 
 #include "allocator/errors.h"
 #include "allocator/format.h"
+#include "hooks/kept_saves.h"
 #include "hooks/runtime.h"
 #include "hooks/storage_tools.h"
 #include "hooks/trace_context.h"
@@ -120,6 +121,25 @@ py::dict SpillwaySection(Runtime& runtime, py::dict& block_sections) {
       }
       e["address"] = address;
       entries.append(e);
+    }
+  }
+  // Saves kept as they are (subclasses, nested or quantized tensors, a second storage over the
+  // memory) hold their blocks too: listed with the block's tracked saves, if it has any.
+  for (const void* block : KeptSaves::Get().Blocks()) {
+    const py::int_ address(reinterpret_cast<uintptr_t>(block));
+    const py::list kept = KeptSaveDicts(KeptSaves::Get().On(block));
+    if (block_sections.contains(address)) {
+      py::dict b = block_sections[address];
+      py::list keepers = b["keepers"].attr("copy")();
+      for (const py::handle k : kept) keepers.append(k);
+      b["keepers"] = keepers;
+    } else {
+      py::dict b;
+      b["entry"] = py::none();
+      b["residency"] = "resident";
+      b["keepers"] = kept;
+      b["external_holders"] = 0;  // not known: the kept tensors are the saves' own holders
+      block_sections[address] = b;
     }
   }
   py::list events;

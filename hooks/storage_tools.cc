@@ -5,6 +5,7 @@
 #include <string>
 
 #include "allocator/errors.h"
+#include "hooks/kept_saves.h"
 #include "hooks/runtime.h"
 #include "hooks/torch_storage.h"
 
@@ -27,6 +28,12 @@ std::optional<EntryInfo> EntryOf(const at::Tensor& tensor) {
   return engine->Describe(tensor.storage().unsafeGetStorageImpl());
 }
 
+// The saves kept as they are (by the hooks, or in Python) over the tensor's block.
+std::vector<KeptSave> KeptSavesOf(const at::Tensor& tensor) {
+  const std::optional<const void*> block = SpillwayBlockOf(tensor);
+  return block ? KeptSaves::Get().On(*block) : std::vector<KeptSave>();
+}
+
 void CheckTensor(const at::Tensor& tensor, const char* what) {
   if (!tensor.defined() || !tensor.has_storage()) {
     throw InvalidArgumentError(std::string(what) +
@@ -36,16 +43,24 @@ void CheckTensor(const at::Tensor& tensor, const char* what) {
 
 }  // namespace
 
+py::dict SavedViewDict(const ViewInfo& view) {
+  py::dict d;
+  d["kind"] = "saved";
+  d["shape"] = py::tuple(py::cast(view.sizes));
+  d["stride"] = py::tuple(py::cast(view.strides));
+  d["offset"] = view.offset;
+  return d;
+}
+
 py::list SavedViewDicts(const EntryInfo& entry) {
   py::list out;
-  for (const KeeperInfo& k : entry.keepers) {
-    py::dict d;
-    d["kind"] = "saved";
-    d["shape"] = py::tuple(py::cast(k.view.sizes));
-    d["stride"] = py::tuple(py::cast(k.view.strides));
-    d["offset"] = k.view.offset;
-    out.append(d);
-  }
+  for (const KeeperInfo& k : entry.keepers) out.append(SavedViewDict(k.view));
+  return out;
+}
+
+py::list KeptSaveDicts(const std::vector<KeptSave>& kept) {
+  py::list out;
+  for (const KeptSave& save : kept) out.append(SavedViewDict(save.view));
   return out;
 }
 
@@ -53,8 +68,16 @@ py::list Keepers(const at::Tensor& tensor) {
   CheckTensor(tensor, "spillway.keepers");
   const std::optional<EntryInfo> entry = EntryOf(tensor);
   py::list out = entry ? SavedViewDicts(*entry) : py::list();
+  // Saves kept as they are hold the storage through tensors of their own (counted among its
+  // holders when on this very storage, not when on a second storage over its memory).
+  const std::vector<KeptSave> kept = KeptSavesOf(tensor);
+  int64_t kept_here = 0;
+  for (const KeptSave& save : kept) {
+    out.append(SavedViewDict(save.view));
+    if (save.storage == tensor.storage().unsafeGetStorageImpl()) ++kept_here;
+  }
   const int64_t ours = entry ? 1 : 0;  // the engine's binding
-  const int64_t external = static_cast<int64_t>(tensor.storage().use_count()) - ours;
+  const int64_t external = static_cast<int64_t>(tensor.storage().use_count()) - ours - kept_here;
   if (external > 0) {
     py::dict d;
     d["kind"] = "external";
@@ -72,6 +95,16 @@ py::dict Release(const at::Tensor& tensor, bool force) {
         "spillway.release: " + std::to_string(entry->keepers.size()) +
         " tensor(s) saved for backward still keep this storage; releasing it would corrupt the "
         "backward pass. Pass force=True if they will never be read.");
+  }
+  // Saves the hooks kept as they are read the memory itself at backward: freed, that read would
+  // crash or return garbage, where a tracked save raises.
+  if (const size_t kept = KeptSavesOf(tensor).size(); kept != 0 && !force) {
+    throw InvalidArgumentError(
+        "spillway.release: " + std::to_string(kept) +
+        " tensor(s) saved for backward and kept as they are (tensor subclasses, nested or "
+        "quantized tensors, a second storage over this memory such as "
+        "torch.from_numpy(t.numpy())) still read this storage's memory; releasing it would "
+        "corrupt the backward pass. Pass force=True if they will never be read.");
   }
   // A storage with no memory passes the check below: one on a device Spillway does not serve (a
   // meta tensor, say) must not be emptied all the same.
@@ -114,23 +147,51 @@ py::dict Release(const at::Tensor& tensor, bool force) {
     Runtime::Get().engine().MarkReleased(
         impl, "its storage was freed by spillway.release(force=True) before backward read it");
   }
+  // Forced past kept saves: the block goes back and may serve the next tensor, which they must
+  // not be taken to hold.
+  if (const std::optional<const void*> block = SpillwayBlockOf(tensor)) {
+    KeptSaves::Get().Forget(*block);
+  }
   impl->set_data_ptr_noswap(c10::DataPtr(nullptr, storage.device()));
   impl->set_nbytes(0);
-  py::dict out;
-  out["freed_bytes"] = freed;
-  out["other_holders"] = other_holders;
-  out["keepers"] = keepers;
+  const auto report = [&] {
+    py::dict out;
+    out["freed_bytes"] = freed;
+    out["other_holders"] = other_holders;
+    out["keepers"] = keepers.attr("copy")();  // shallow: its dicts are copied below
+    return out;
+  };
   py::list& log = Releases();
   if (py::len(log) == kMaxReleases) log.attr("pop")(0);
-  log.append(out);
+  // The log keeps a copy of its own: the caller may change the dict it gets back.
+  py::dict logged = report();
+  py::list logged_keepers;
+  for (const py::handle k : keepers) logged_keepers.append(k.attr("copy")());
+  logged["keepers"] = logged_keepers;
+  log.append(logged);
+  return report();
+}
+
+py::list ReleaseLog() {
+  // Copies, for the same reason: a snapshot's caller may change what it got.
+  py::list out;
+  for (const py::handle entry : Releases()) {
+    py::dict copy = entry.attr("copy")();
+    py::list keepers;
+    for (const py::handle k : copy["keepers"]) keepers.append(k.attr("copy")());
+    copy["keepers"] = keepers;
+    out.append(copy);
+  }
   return out;
 }
 
-py::list ReleaseLog() { return Releases(); }
-
 py::object ResidencyOf(const at::Tensor& tensor) {
   const std::optional<EntryInfo> entry = EntryOf(tensor);
-  if (!entry) return py::none();
+  // Saves kept as they are stay on the device.
+  if (!entry) {
+    if (KeptSavesOf(tensor).empty()) return py::none();
+    return py::str("resident");
+  }
   return py::str(std::string(ResidencyName(entry->residency)));
 }
 

@@ -5,6 +5,9 @@
 #include <ATen/Tensor.h>
 #include <pybind11/pybind11.h>
 
+#include <vector>
+
+#include "hooks/kept_saves.h"
 #include "offload/engine.h"
 
 namespace spillway::torch_layer {
@@ -21,6 +24,9 @@ pybind11::dict Release(const at::Tensor& tensor, bool force);
 
 // {"kind": "saved", "shape", "stride", "offset"} for each saved view of an engine entry.
 pybind11::list SavedViewDicts(const EntryInfo& entry);
+
+// The same for saves kept as they are (KeptSaves).
+pybind11::list KeptSaveDicts(const std::vector<KeptSave>& kept);
 
 // Reports of the latest release() calls (bounded), for snapshots and spillway.report.
 pybind11::list ReleaseLog();

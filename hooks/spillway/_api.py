@@ -1,12 +1,9 @@
 """The public functions of `spillway`; argument checks happen here, the work in `spillway._C`."""
 
-import collections
 import contextlib
-import itertools
 import numbers
 import os
 import threading
-import weakref
 
 import torch
 
@@ -138,25 +135,20 @@ def _require_installed(what):
 class _Kept:
     """A saved tensor Spillway keeps as it is (a subclass), as the C++ handle keeps the others:
     detached, since a saved output holds its grad_fn, which holds what pack returned, a loop
-    through autograd's C++ nodes that Python's collector cannot break; and with its version,
-    since autograd leaves that check to the hooks."""
+    through autograd's C++ nodes that Python's collector cannot break; with its version, since
+    autograd leaves that check to the hooks; and registered, so that release(), keepers(),
+    residency() and snapshots see the save, as they see the C++ handle's."""
 
-    __slots__ = ("tensor", "version", "__weakref__")
+    __slots__ = ("tensor", "version", "registration")
 
     def __init__(self, tensor):
         self.tensor = tensor.detach()
         self.version = tensor._version
-        # release(), keepers() and residency() must see this save, as the engine's keepers show
-        # them the others.
-        key = _storage_key(self.tensor)
-        if key:
-            token = next(_kept_tokens)
-            view = {"kind": "saved", "shape": tuple(self.tensor.shape),
-                    "stride": tuple(self.tensor.stride()), "offset": self.tensor.storage_offset()}
-            with _kept_lock:
-                _settle_kept()
-                _kept_views.setdefault(key, {})[token] = view
-            weakref.finalize(self, _kept_gone.append, (key, token))
+        # A wrapper subclass has no storage of its own: nothing to register then.
+        try:
+            self.registration = _C.KeptRegistration(self.tensor)
+        except (RuntimeError, TypeError):
+            self.registration = None
 
     def unpack(self):
         if self.tensor._version != self.version:
@@ -167,43 +159,6 @@ class _Kept:
                 "tensor was saved for backward (kept as it is by Spillway) and changed in place "
                 "afterwards.")
         return self.tensor
-
-
-# Storage (its StorageImpl's address, stable while a _Kept holds it) -> {token: the saved view}
-# of the saves kept as they are that hold it now. Finalizers only queue their (key, token) (they
-# may run on any thread, or inside the locked region when a collection starts there); the views
-# change under the lock.
-_kept_lock = threading.Lock()
-_kept_views = {}
-_kept_gone = collections.deque()
-_kept_tokens = itertools.count(1)
-
-
-def _settle_kept():
-    while _kept_gone:
-        key, token = _kept_gone.popleft()
-        views = _kept_views.get(key, {})
-        views.pop(token, None)
-        if not views:
-            _kept_views.pop(key, None)
-
-
-def _kept_saves_of(tensor):
-    """The views of the saves kept as they are that hold the tensor's storage."""
-    key = _storage_key(tensor)
-    with _kept_lock:
-        _settle_kept()
-        return [dict(view) for view in _kept_views.get(key, {}).values()] if key else []
-
-
-def _storage_key(tensor):
-    """The identity of the tensor's storage (0: none to be had, as for a wrapper subclass)."""
-    try:
-        storage = tensor.untyped_storage() if hasattr(tensor, "untyped_storage") else \
-            tensor.storage()
-        return storage._cdata
-    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
-        return 0
 
 
 def _pack(tensor):
@@ -375,39 +330,24 @@ def _check_tensor(what, tensor):
 
 def keepers(tensor):
     """Who keeps the tensor's storage: saved views ({'kind': 'saved', 'shape', 'stride',
-    'offset'}) and holders Spillway does not know ({'kind': 'external', 'count': n}; n includes
-    `tensor` itself)."""
+    'offset'}), those Spillway tracks and those it keeps as they are (subclasses, nested or
+    quantized tensors, a second storage over the memory), and holders Spillway does not know
+    ({'kind': 'external', 'count': n}; n includes `tensor` itself)."""
     _check_tensor("keepers", tensor)
     _require_installed("keepers")
-    found = _C.keepers(tensor)
-    kept = _kept_saves_of(tensor)
-    if not kept:
-        return found
-    # A save kept as it is (a subclass) holds the storage through a tensor of its own, which the
-    # C++ side counts as an external holder: it is a saved view.
-    external = sum(k["count"] for k in found if k["kind"] == "external") - len(kept)
-    saved = [k for k in found if k["kind"] != "external"] + kept
-    return saved + ([{"kind": "external", "count": external}] if external > 0 else [])
+    return _C.keepers(tensor)
 
 
 def release(tensor, force=False):
     """Frees the storage's device memory now (the storage becomes 0 bytes) and reports who else
     held it: {'freed_bytes', 'other_holders', 'keepers'}. Refuses while tensors saved for
     backward still need the storage, unless force=True (backward then raises where it reads them,
-    naming the release), and a tensor that requires grad, unless force=True (Spillway cannot see
-    what autograd saved outside its hooks). Other tensors on the storage point at no memory
-    afterwards."""
+    naming the release; a save kept as it is would read freed memory), and a tensor that requires
+    grad, unless force=True (Spillway cannot see what autograd saved outside its hooks). Other
+    tensors on the storage point at no memory afterwards."""
     _check_tensor("release", tensor)
     force = _check_bool("force", force)
     _require_installed("release")
-    kept = len(_kept_saves_of(tensor))
-    if kept and not force:
-        # Saves of tensor subclasses, which Spillway keeps as they are in Python: the engine
-        # does not know them, and backward would read freed memory (a crash, not an error).
-        raise ValueError(
-            f"spillway.release: {kept} tensor(s) saved for backward (tensor subclasses, kept as "
-            "they are) still keep this storage; releasing it would crash the backward pass. Pass "
-            "force=True if they will never be read.")
     return _C.release(tensor, force)
 
 
@@ -417,9 +357,7 @@ def residency(tensor):
     when Spillway tracks no saved tensor of that storage."""
     _check_tensor("residency", tensor)
     _require_installed("residency")
-    where = _C.residency(tensor)
-    # Saves kept as they are (subclasses) stay on the device.
-    return "resident" if where is None and _kept_saves_of(tensor) else where
+    return _C.residency(tensor)
 
 
 def record_history(enabled=True, max_entries=100000, stacks="python"):

@@ -25,13 +25,15 @@ def load(path):
 
 def series(snapshot, device=0):
     """Timelines from the snapshot's history: a dict of lists `t` (seconds from the first event),
-    `allocated`, `reserved` and `spilled` (bytes after each event). The starting levels are
+    `allocated` (bytes requested by live allocations, as the history and memory_viz count them),
+    `reserved` and `spilled` (bytes after each event). The starting levels are
     derived from the end state, so the curves end where the snapshot's segments are."""
     trace = snapshot["device_traces"][device] if snapshot["device_traces"] else []
     section = snapshot.get("spillway", {})
     offload_events = [e for e in section.get("events", []) if e.get("device", 0) == device]
     segments = [s for s in snapshot["segments"] if s["device"] == device]
-    end_allocated = sum(b["size"] for s in segments for b in s["blocks"]
+    # The history's allocation events carry the requested sizes (as PyTorch's do).
+    end_allocated = sum(b.get("requested_size", b["size"]) for s in segments for b in s["blocks"]
                         if b["state"] == "active_allocated")
     end_reserved = sum(s["total_size"] for s in segments)
     d_alloc = {"alloc": 1, "free_requested": -1}

@@ -278,6 +278,23 @@ TEST(CachingAllocatorWithoutDevices, PointerOnlyCallsAreRefusedClearly) {
   allocator.Free(nullptr);  // a no-op, as everywhere
 }
 
+// What a pointer into an allocation belongs to (a second storage over a block's memory starts
+// inside it): the block, while it is allocated; nothing once it is free, nor for foreign memory.
+TEST_F(CachingAllocatorTest, LookupContainingFindsTheBlockAnInteriorPointerBelongsTo) {
+  char* a = static_cast<char*>(Alloc(4096));
+  char* b = static_cast<char*>(Alloc(4096));
+  ASSERT_EQ(allocator_->SegmentOf(a)->base, allocator_->SegmentOf(b)->base) << "one segment";
+  EXPECT_EQ(allocator_->LookupContaining(a)->ptr, a);
+  EXPECT_EQ(allocator_->LookupContaining(a + 4095)->ptr, a);
+  EXPECT_EQ(allocator_->LookupContaining(b + 100)->ptr, b);
+  EXPECT_FALSE(allocator_->Lookup(b + 100).has_value());  // Lookup takes starts only
+  allocator_->Free(b);
+  EXPECT_FALSE(allocator_->LookupContaining(b + 100).has_value()) << "a free block";
+  int foreign = 0;
+  EXPECT_FALSE(allocator_->LookupContaining(&foreign).has_value());
+  allocator_->Free(a);
+}
+
 TEST_F(CachingAllocatorTest, LookupReportsRequestedAndRoundedSize) {
   void* p = Alloc(1000);
   const auto info = allocator_->Lookup(p);

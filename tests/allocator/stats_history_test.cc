@@ -146,6 +146,22 @@ TEST_F(StatsHistoryTest, HistoryRecordsActionsInOrderWithContext) {
   EXPECT_EQ(TraceActionName(trace[2].action), "free_requested");
 }
 
+// As PyTorch's: an allocation's events carry the caller's size, which memory_viz draws (every
+// small tensor showed as 512 bytes, unlike the snapshot's requested_size); a segment's, its size.
+TEST_F(StatsHistoryTest, HistoryCarriesTheRequestedSizeOfAnAllocation) {
+  allocator_->RecordHistory(true, 64, nullptr);
+  void* p = Alloc(1000);
+  allocator_->Free(p);
+  allocator_->EmptyCache();
+  const auto trace = allocator_->TakeSnapshot().device_traces.at(0);
+  ASSERT_EQ(trace.size(), 5u);
+  EXPECT_EQ(trace[0].size, kSmallBuffer);  // segment_alloc
+  for (size_t i = 1; i <= 3; ++i) {
+    EXPECT_EQ(trace[i].size, 1000u) << TraceActionName(trace[i].action);
+  }
+  EXPECT_EQ(trace[4].size, kSmallBuffer);  // segment_free
+}
+
 TEST_F(StatsHistoryTest, HistoryRingKeepsTheNewestEntries) {
   allocator_->RecordHistory(true, 4);
   for (int i = 0; i < 10; ++i) allocator_->Free(Alloc(4096));

@@ -112,6 +112,26 @@ def test_out_of_memory_raises_torch_cuda_oom_with_spillway_message():
     assert "oom True" in out, out
 
 
+@needs_adapter
+def test_out_of_memory_observers_hear_the_request_and_the_limit():
+    """Hooks review: observers were told the allocated bytes for the request and the device's total
+    for the memory the process may use, although a fraction was set."""
+    out = cuda_script("""
+        torch.cuda.set_per_process_memory_fraction(0.01)
+        heard = []
+        torch._C._cuda_attach_out_of_memory_observer(lambda *args: heard.append(args))
+        try:
+            torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+        except torch.cuda.OutOfMemoryError:
+            pass
+        total = torch.cuda.get_device_properties(0).total_memory
+        device, request, allowed, free = heard[0]
+        print("heard", len(heard), device, request == 2 << 30,
+              abs(allowed - total * 0.01) < 2 << 20, 0 < free <= total)
+    """)
+    assert "heard 1 0 True True True" in out, out
+
+
 RECORD_STREAM_SCRIPT = """
         torch.cuda.memory._record_memory_history(max_entries=1000)
         side = torch.cuda.Stream()

@@ -107,7 +107,7 @@ def test_release_refuses_a_storage_a_kept_subclass_save_needs():
     t = torch.randn(64)
     with spillway.offload("eager", min_bytes=0):
         loss = (w * t.as_subclass(Tagged)).sum()  # mul saves its inputs, a Tagged among them
-    with pytest.raises(ValueError, match=r"1 tensor\(s\) saved for backward \(tensor subclasses"):
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) saved .* kept as they are \(tensor subcl"):
         spillway.release(t)
     loss.backward()  # untouched
     assert torch.equal(w.grad, t)
@@ -178,3 +178,62 @@ def test_bad_arguments_are_value_errors():
         spillway.keepers([1, 2, 3])
     with pytest.raises(ValueError, match="expects a torch.Tensor"):
         spillway.release("tensor")
+
+
+def test_saves_kept_over_spillways_memory_by_another_storage_are_seen():
+    """Hooks review: a save of a second storage over Spillway's memory (from_numpy, DLPack) is
+    kept as it is; release(t) freed t's memory under it without force, and backward computed a
+    wrong gradient from whatever the memory held next (no error)."""
+    w = torch.randn(256, requires_grad=True)
+    t = torch.randn(256, 256)
+    alias = torch.from_numpy(t.numpy())
+    reference = w.detach().clone().requires_grad_()
+    (alias @ reference).sum().backward()  # the gradient without offload
+    with spillway.offload("eager", min_bytes=0):
+        loss = (alias @ w).sum()  # mm saves the alias
+    saved = {"kind": "saved", "shape": (256, 256), "stride": (256, 1), "offset": 0}
+    assert saved in spillway.keepers(t)
+    assert spillway.residency(t) == "resident"
+    with pytest.raises(ValueError, match="kept as they are"):
+        spillway.release(t)
+    address = t.untyped_storage().data_ptr() if hasattr(t, "untyped_storage") else \
+        t.storage().data_ptr()
+    assert spillway.snapshot()["spillway"]["blocks"][address]["keepers"] == [saved]
+    junk = torch.full((256, 256), 1e6)  # would take the block, had it been freed
+    loss.backward()
+    assert torch.equal(w.grad, reference.grad)
+    del loss, junk
+    assert saved not in spillway.keepers(t)
+    assert spillway.residency(t) is None
+    del alias
+    assert spillway.release(t)["freed_bytes"] == 256 * 256 * 4
+
+
+def test_nested_tensor_saves_keep_their_memory_from_release():
+    """Hooks review: release(nt) of a nested tensor a Linear had saved freed its buffer; backward
+    then failed with a shape error that named nothing of the cause."""
+    parts = [torch.randn(4, 8), torch.randn(6, 8)]
+    nt = torch.nested.nested_tensor(parts)
+    lin = torch.nn.Linear(8, 3)
+    sum(p.sum() for p in lin(nt).unbind()).backward()  # the gradient without offload
+    expected = lin.weight.grad.clone()
+    lin.weight.grad = None
+    with spillway.offload("eager", min_bytes=0):
+        out = lin(nt)
+    with pytest.raises(ValueError, match="kept as they are"):
+        spillway.release(nt)
+    assert [k["kind"] for k in spillway.keepers(nt)].count("saved") == 1
+    sum(p.sum() for p in out.unbind()).backward()
+    assert torch.equal(lin.weight.grad, expected)
+
+
+def test_the_release_log_is_not_the_callers_to_change():
+    """Hooks review: release() returned the dict its log keeps, and snapshots handed out the log
+    itself: a caller's change corrupted every later snapshot (report then refused the file)."""
+    returned = spillway.release(torch.randn(1000))
+    returned.clear()
+    spillway.snapshot()["spillway"]["releases"].append("junk")
+    spillway.snapshot()["spillway"]["releases"][-1]["keepers"].clear()
+    last = spillway.snapshot()["spillway"]["releases"][-1]
+    assert last == {"freed_bytes": 4000, "other_holders": 0,
+                    "keepers": [{"kind": "external", "count": 1}]}

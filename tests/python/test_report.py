@@ -31,11 +31,13 @@ def recorded_step(policy):
         spillway.record_history(False)
 
 
-def test_plotted_allocated_peak_equals_the_allocator_peak(tmp_path):
+def test_plotted_allocated_peak_equals_the_allocator_requested_peak(tmp_path):
     snap = recorded_step("eager")
     s = report.series(snap)
-    assert max(s["allocated"]) == snap["spillway"]["allocator_stats"]["allocated_bytes.all.peak"]
-    assert s["allocated"][-1] == snap["spillway"]["allocator_stats"]["allocated_bytes.all.current"]
+    # Requested bytes: the history's events carry those, as PyTorch's do.
+    stats = snap["spillway"]["allocator_stats"]
+    assert max(s["allocated"]) == stats["requested_bytes.all.peak"]
+    assert s["allocated"][-1] == stats["requested_bytes.all.current"]
     assert max(s["spilled"]) > 0  # the eager run spilled, and the timeline shows it
     assert s["spilled"][-1] == snap["spillway"]["stats"]["spilled_bytes.current"]
     png = report.plot([snap], [""], str(tmp_path / "one.png"))
