@@ -361,8 +361,9 @@ class SpillwayCudaAllocator final : public Base {
     return Guard([&] { return alloc_.Malloc(size, device, static_cast<StreamHandle>(stream)); });
   }
 
-  // As PyTorch calls them: the device, the request, the memory the process may use (its limit
-  // when one is set, else the device's total), and the device's free memory.
+  // As PyTorch calls them: the device, the request (PyTorch passes the segment size it tried for
+  // it, the same for large requests, 2 MiB for a small one), the memory the process may use (its
+  // limit when one is set, else the device's total), and the device's free memory.
   void NotifyOom(const OutOfMemoryError& error) {
     std::vector<cca::OutOfMemoryObserver> observers;
     {

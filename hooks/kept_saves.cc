@@ -1,8 +1,29 @@
 #include "hooks/kept_saves.h"
 
+#include <algorithm>
+
 #include "hooks/runtime.h"
 
 namespace spillway::torch_layer {
+namespace {
+
+// The storage's data pointer, or null when it has none (or refuses to say: wrapper subclasses,
+// some releases' nested tensors answer has_storage() yet refuse storage()).
+const void* DataOf(const at::Tensor& tensor) {
+  try {
+    return tensor.has_storage() ? tensor.storage().data() : nullptr;
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+}
+
+bool Within(const void* data, const AllocationInfo& block) {
+  const auto* start = static_cast<const char*>(block.ptr);
+  const auto* at = static_cast<const char*>(data);
+  return data != nullptr && at >= start && at < start + block.size;
+}
+
+}  // namespace
 
 KeptSaves& KeptSaves::Get() {
   // Leaked: handles may go away during interpreter shutdown, after static destructors ran.
@@ -10,30 +31,23 @@ KeptSaves& KeptSaves::Get() {
   return *saves;
 }
 
-std::optional<const void*> SpillwayBlockOf(const at::Tensor& tensor) {
+std::optional<AllocationInfo> SpillwayBlockOf(const at::Tensor& tensor) {
   const Runtime& runtime = Runtime::Get();
   if (!runtime.installed() || !tensor.defined()) return std::nullopt;
-  const void* data = nullptr;
-  try {
-    // Some kinds answer has_storage() yet refuse storage() (wrapper subclasses, some releases'
-    // nested tensors): then there is no memory to name.
-    if (!tensor.has_storage()) return std::nullopt;
-    data = tensor.storage().data();
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
+  const void* data = DataOf(tensor);
   if (data == nullptr || !runtime.Serves(tensor.device())) return std::nullopt;
-  const std::optional<AllocationInfo> block = runtime.allocator().LookupContaining(data);
-  if (!block) return std::nullopt;
-  return block->ptr;
+  return runtime.allocator().LookupContaining(data);
 }
 
 uint64_t KeptSaves::Add(const at::Tensor& tensor) {
-  const std::optional<const void*> block = SpillwayBlockOf(tensor);
-  if (!block) return 0;
+  const Runtime& runtime = Runtime::Get();
+  if (!runtime.installed() || !tensor.defined() || !runtime.Serves(tensor.device())) return 0;
   KeptSave save;
-  save.block = *block;
-  save.storage = tensor.storage().unsafeGetStorageImpl();
+  try {
+    save.storage = tensor.storage().unsafeGetStorageImpl();
+  } catch (const std::exception&) {
+    return 0;  // no storage to be had (a wrapper subclass)
+  }
   // Nested tensors have no sizes or strides of their own (their buffer's are kept as they are).
   if (!tensor.is_nested()) {
     save.view.sizes = tensor.sizes().vec();
@@ -43,43 +57,62 @@ uint64_t KeptSaves::Add(const at::Tensor& tensor) {
   }
   std::lock_guard lock(mutex_);
   const uint64_t token = next_token_++;
-  by_block_[save.block].emplace(token, save);
-  block_of_.emplace(token, save.block);
+  saves_.emplace(token, std::move(save));
   return token;
 }
 
 void KeptSaves::Remove(uint64_t token) {
   std::lock_guard lock(mutex_);
-  const auto it = block_of_.find(token);
-  if (it == block_of_.end()) return;
-  const auto saves = by_block_.find(it->second);
-  saves->second.erase(token);
-  if (saves->second.empty()) by_block_.erase(saves);
-  block_of_.erase(it);
+  saves_.erase(token);
 }
 
-void KeptSaves::Forget(const void* block) {
-  std::lock_guard lock(mutex_);
-  const auto it = by_block_.find(block);
-  if (it == by_block_.end()) return;
-  for (const auto& [token, save] : it->second) block_of_.erase(token);
-  by_block_.erase(it);
-}
-
-std::vector<KeptSave> KeptSaves::On(const void* block) const {
+// The lookups below run under the lock: a registration's storage is alive only until its removal,
+// which waits for the lock.
+std::vector<KeptSave> KeptSaves::On(const AllocationInfo& block) const {
   std::lock_guard lock(mutex_);
   std::vector<KeptSave> out;
-  if (const auto it = by_block_.find(block); it != by_block_.end()) {
-    for (const auto& [token, save] : it->second) out.push_back(save);
+  for (const auto& [token, save] : saves_) {
+    if (Within(save.storage->data(), block)) out.push_back(save);
   }
   return out;
 }
 
-std::vector<const void*> KeptSaves::Blocks() const {
+std::map<const void*, std::vector<KeptSave>> KeptSaves::ByBlock() const {
+  const CachingAllocator& allocator = Runtime::Get().allocator();
   std::lock_guard lock(mutex_);
-  std::vector<const void*> out;
-  for (const auto& [block, saves] : by_block_) out.push_back(block);
+  std::map<const void*, std::vector<KeptSave>> out;
+  for (const auto& [token, save] : saves_) {
+    const void* data = save.storage->data();
+    if (data == nullptr) continue;
+    if (const std::optional<AllocationInfo> block = allocator.LookupContaining(data)) {
+      out[block->ptr].push_back(save);
+    }
+  }
   return out;
+}
+
+void KeptSaves::Forget(const AllocationInfo& block) {
+  std::lock_guard lock(mutex_);
+  absl::erase_if(saves_,
+                 [&](const auto& item) { return Within(item.second.storage->data(), block); });
+}
+
+int64_t KeptOn(const c10::StorageImpl* storage, const std::vector<KeptSave>& kept) {
+  return static_cast<int64_t>(std::count_if(
+      kept.begin(), kept.end(), [&](const KeptSave& k) { return k.storage == storage; }));
+}
+
+int64_t OtherHoldersOfKeptStorages(const std::vector<KeptSave>& kept) {
+  int64_t others = 0;
+  std::vector<const c10::StorageImpl*> seen;
+  for (const KeptSave& k : kept) {
+    if (std::find(seen.begin(), seen.end(), k.storage) != seen.end()) continue;
+    seen.push_back(k.storage);
+    others += static_cast<int64_t>(c10::raw::intrusive_ptr::use_count(
+                  const_cast<c10::StorageImpl*>(k.storage))) -  // NOLINT: a read-only count
+              KeptOn(k.storage, kept);
+  }
+  return others;
 }
 
 }  // namespace spillway::torch_layer

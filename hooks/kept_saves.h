@@ -1,49 +1,53 @@
 // Saves the hooks keep as they are (a tensor subclass, a nested or quantized tensor, a second
 // storage over Spillway's memory such as torch.from_numpy(t.numpy()) or DLPack): the engine does
 // not track them, yet backward reads the device memory they hold. release(), keepers(),
-// residency() and snapshots see them here, by the Spillway block their data lies in (an alias's
-// storage is not the block's own).
+// residency() and snapshots see them here. Each is registered by its own storage, and the
+// Spillway block its data lies in is looked up when asked: a storage resized (resize_, an out=
+// op, FSDP's resize to 0 and back) moves to another block, and its save with it; an alias's
+// storage is not the block's own, but its data lies in that block.
 #pragma once
 
 #include <ATen/Tensor.h>
 
 #include <cstdint>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "allocator/device_allocator.h"
 #include "offload/engine.h"
 
 namespace spillway::torch_layer {
 
 struct KeptSave {
-  const void* block = nullptr;                // start of the Spillway block holding the data
-  const c10::StorageImpl* storage = nullptr;  // the save's own storage (an alias has its own)
-  ViewInfo view;                              // the saved tensor's geometry on that storage
+  // The save's own storage, alive while the registration is: the saved tensor holds it, and goes
+  // only after the registration does (SavedHandle's and _Kept's member order).
+  const c10::StorageImpl* storage = nullptr;
+  ViewInfo view;  // the saved tensor's geometry on that storage
 };
 
 class KeptSaves {
  public:
   static KeptSaves& Get();
 
-  // Registers `tensor` when its data lies in a live Spillway block; returns 0 (and registers
-  // nothing) otherwise. Nothing may be installed: then nothing is Spillway's.
+  // Registers `tensor` when it has a storage on the device Spillway serves; returns 0 (and
+  // registers nothing) otherwise, or when nothing is installed.
   uint64_t Add(const at::Tensor& tensor);
   void Remove(uint64_t token);
-  // Drops the saves kept on `block`, freed by a forced release: the block may serve another
-  // tensor next, which they do not hold.
-  void Forget(const void* block);
-  // The saves kept on `block` (the start of a Spillway block).
-  std::vector<KeptSave> On(const void* block) const;
-  // Every block that kept saves hold.
-  std::vector<const void*> Blocks() const;
+  // The saves whose data lies in `block` now.
+  std::vector<KeptSave> On(const AllocationInfo& block) const;
+  // The saves whose data lies in a Spillway block now, by block start.
+  std::map<const void*, std::vector<KeptSave>> ByBlock() const;
+  // Drops the saves whose data lies in `block`, freed by a forced release: the block may serve
+  // another tensor next, which they do not hold.
+  void Forget(const AllocationInfo& block);
 
  private:
   mutable std::mutex mutex_;
   uint64_t next_token_ = 1;
-  // Block -> token -> save, and each token's block.
-  absl::flat_hash_map<const void*, absl::flat_hash_map<uint64_t, KeptSave>> by_block_;
-  absl::flat_hash_map<uint64_t, const void*> block_of_;
+  absl::flat_hash_map<uint64_t, KeptSave> saves_;
 };
 
 // A registration that lasts as long as the object: what a kept save holds.
@@ -61,7 +65,13 @@ class KeptRegistration {
   uint64_t token_ = 0;
 };
 
-// The block (start) a tensor's storage data lies in, when it is a live Spillway block.
-std::optional<const void*> SpillwayBlockOf(const at::Tensor& tensor);
+// How many of `kept` are saves on `storage` itself (each holds it once, through its tensor).
+int64_t KeptOn(const c10::StorageImpl* storage, const std::vector<KeptSave>& kept);
+// The holders of the storages of `kept` other than those saves (an alias's original storage, which
+// the registry does not know, is not among them).
+int64_t OtherHoldersOfKeptStorages(const std::vector<KeptSave>& kept);
+
+// The live Spillway block a tensor's storage data lies in.
+std::optional<AllocationInfo> SpillwayBlockOf(const at::Tensor& tensor);
 
 }  // namespace spillway::torch_layer

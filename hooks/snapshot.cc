@@ -89,6 +89,10 @@ py::list FramesOf(const TraceContext& context) {
 
 py::dict SpillwaySection(Runtime& runtime, py::dict& block_sections) {
   py::list entries;
+  // Saves kept as they are (subclasses, nested or quantized tensors, a second storage over the
+  // memory) hold their blocks too. Their own tensors are no holders unknown to Spillway (as
+  // keepers() counts them).
+  const std::map<const void*, std::vector<KeptSave>> kept_by_block = KeptSaves::Get().ByBlock();
   OffloadEngine* engine = runtime.engine_if_created();
   if (engine != nullptr) {
     CachingAllocator& allocator = runtime.allocator();
@@ -102,7 +106,7 @@ py::dict SpillwaySection(Runtime& runtime, py::dict& block_sections) {
       e["residency"] = std::string(ResidencyName(info->residency));
       e["keepers"] = SavedViewDicts(*info);
       e["element_size"] = info->keepers.empty() ? 1 : info->keepers.front().view.element_size;
-      e["external_holders"] = info->external_holders;
+      int64_t external = info->external_holders;
       e["spill_count"] = info->spill_count;
       e["reload_count"] = info->reload_count;
       e["last_spill_us"] = info->last_spill_us;
@@ -111,36 +115,36 @@ py::dict SpillwaySection(Runtime& runtime, py::dict& block_sections) {
       if (info->data != nullptr) {
         if (const auto block = allocator.Lookup(info->data)) {
           address = py::int_(reinterpret_cast<uintptr_t>(block->ptr));
+          py::list keepers = e["keepers"];
+          if (const auto kept = kept_by_block.find(block->ptr); kept != kept_by_block.end()) {
+            // The engine keys entries by their StorageImpl.
+            external -= KeptOn(static_cast<const c10::StorageImpl*>(key), kept->second);
+            keepers = e["keepers"].attr("copy")();
+            for (const py::handle k : KeptSaveDicts(kept->second)) keepers.append(k);
+          }
           py::dict b;
           b["entry"] = e["entry"];
           b["residency"] = e["residency"];
-          b["keepers"] = e["keepers"];
-          b["external_holders"] = info->external_holders;
+          b["keepers"] = keepers;
+          b["external_holders"] = external;
           block_sections[address] = b;
         }
       }
+      e["external_holders"] = external;
       e["address"] = address;
       entries.append(e);
     }
   }
-  // Saves kept as they are (subclasses, nested or quantized tensors, a second storage over the
-  // memory) hold their blocks too: listed with the block's tracked saves, if it has any.
-  for (const void* block : KeptSaves::Get().Blocks()) {
+  // Blocks only saves kept as they are hold.
+  for (const auto& [block, kept] : kept_by_block) {
     const py::int_ address(reinterpret_cast<uintptr_t>(block));
-    const py::list kept = KeptSaveDicts(KeptSaves::Get().On(block));
-    if (block_sections.contains(address)) {
-      py::dict b = block_sections[address];
-      py::list keepers = b["keepers"].attr("copy")();
-      for (const py::handle k : kept) keepers.append(k);
-      b["keepers"] = keepers;
-    } else {
-      py::dict b;
-      b["entry"] = py::none();
-      b["residency"] = "resident";
-      b["keepers"] = kept;
-      b["external_holders"] = 0;  // not known: the kept tensors are the saves' own holders
-      block_sections[address] = b;
-    }
+    if (block_sections.contains(address)) continue;  // listed with the entry's saves above
+    py::dict b;
+    b["entry"] = py::none();
+    b["residency"] = "resident";
+    b["keepers"] = KeptSaveDicts(kept);
+    b["external_holders"] = OtherHoldersOfKeptStorages(kept);
+    block_sections[address] = b;
   }
   py::list events;
   if (engine != nullptr) {
@@ -160,6 +164,8 @@ py::dict SpillwaySection(Runtime& runtime, py::dict& block_sections) {
   section["releases"] = ReleaseLog();
   section["allocator_stats"] = py::cast(runtime.allocator().FlatStats(0));
   section["blocks"] = block_sections;
+  // What an allocation's history events carry (block sizes, in snapshots of earlier versions).
+  section["trace_sizes"] = "requested";
   section["stats"] = engine != nullptr ? py::cast(engine->stats().Flatten()) : py::dict();
   return section;
 }

@@ -30,8 +30,17 @@ std::optional<EntryInfo> EntryOf(const at::Tensor& tensor) {
 
 // The saves kept as they are (by the hooks, or in Python) over the tensor's block.
 std::vector<KeptSave> KeptSavesOf(const at::Tensor& tensor) {
-  const std::optional<const void*> block = SpillwayBlockOf(tensor);
+  const std::optional<AllocationInfo> block = SpillwayBlockOf(tensor);
   return block ? KeptSaves::Get().On(*block) : std::vector<KeptSave>();
+}
+
+// A release report whose dicts and lists are its own.
+py::dict CopyOfReport(py::handle report) {
+  py::dict copy = report.attr("copy")();
+  py::list keepers;
+  for (const py::handle k : copy["keepers"]) keepers.append(k.attr("copy")());
+  copy["keepers"] = keepers;
+  return copy;
 }
 
 void CheckTensor(const at::Tensor& tensor, const char* what) {
@@ -71,13 +80,10 @@ py::list Keepers(const at::Tensor& tensor) {
   // Saves kept as they are hold the storage through tensors of their own (counted among its
   // holders when on this very storage, not when on a second storage over its memory).
   const std::vector<KeptSave> kept = KeptSavesOf(tensor);
-  int64_t kept_here = 0;
-  for (const KeptSave& save : kept) {
-    out.append(SavedViewDict(save.view));
-    if (save.storage == tensor.storage().unsafeGetStorageImpl()) ++kept_here;
-  }
+  for (const KeptSave& save : kept) out.append(SavedViewDict(save.view));
   const int64_t ours = entry ? 1 : 0;  // the engine's binding
-  const int64_t external = static_cast<int64_t>(tensor.storage().use_count()) - ours - kept_here;
+  const int64_t external = static_cast<int64_t>(tensor.storage().use_count()) - ours -
+                           KeptOn(tensor.storage().unsafeGetStorageImpl(), kept);
   if (external > 0) {
     py::dict d;
     d["kind"] = "external";
@@ -149,39 +155,26 @@ py::dict Release(const at::Tensor& tensor, bool force) {
   }
   // Forced past kept saves: the block goes back and may serve the next tensor, which they must
   // not be taken to hold.
-  if (const std::optional<const void*> block = SpillwayBlockOf(tensor)) {
+  if (const std::optional<AllocationInfo> block = SpillwayBlockOf(tensor)) {
     KeptSaves::Get().Forget(*block);
   }
   impl->set_data_ptr_noswap(c10::DataPtr(nullptr, storage.device()));
   impl->set_nbytes(0);
-  const auto report = [&] {
-    py::dict out;
-    out["freed_bytes"] = freed;
-    out["other_holders"] = other_holders;
-    out["keepers"] = keepers.attr("copy")();  // shallow: its dicts are copied below
-    return out;
-  };
+  py::dict out;
+  out["freed_bytes"] = freed;
+  out["other_holders"] = other_holders;
+  out["keepers"] = keepers;
   py::list& log = Releases();
   if (py::len(log) == kMaxReleases) log.attr("pop")(0);
   // The log keeps a copy of its own: the caller may change the dict it gets back.
-  py::dict logged = report();
-  py::list logged_keepers;
-  for (const py::handle k : keepers) logged_keepers.append(k.attr("copy")());
-  logged["keepers"] = logged_keepers;
-  log.append(logged);
-  return report();
+  log.append(CopyOfReport(out));
+  return out;
 }
 
 py::list ReleaseLog() {
   // Copies, for the same reason: a snapshot's caller may change what it got.
   py::list out;
-  for (const py::handle entry : Releases()) {
-    py::dict copy = entry.attr("copy")();
-    py::list keepers;
-    for (const py::handle k : copy["keepers"]) keepers.append(k.attr("copy")());
-    copy["keepers"] = keepers;
-    out.append(copy);
-  }
+  for (const py::handle report : Releases()) out.append(CopyOfReport(report));
   return out;
 }
 

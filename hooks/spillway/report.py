@@ -32,8 +32,10 @@ def series(snapshot, device=0):
     section = snapshot.get("spillway", {})
     offload_events = [e for e in section.get("events", []) if e.get("device", 0) == device]
     segments = [s for s in snapshot["segments"] if s["device"] == device]
-    # The history's allocation events carry the requested sizes (as PyTorch's do).
-    end_allocated = sum(b.get("requested_size", b["size"]) for s in segments for b in s["blocks"]
+    # The history's allocation events carry the requested sizes, as PyTorch's do (block sizes in
+    # snapshots Spillway wrote before it said so).
+    size_key = "requested_size" if section.get("trace_sizes") == "requested" else "size"
+    end_allocated = sum(b.get(size_key, b["size"]) for s in segments for b in s["blocks"]
                         if b["state"] == "active_allocated")
     end_reserved = sum(s["total_size"] for s in segments)
     d_alloc = {"alloc": 1, "free_requested": -1}

@@ -60,6 +60,9 @@ void CheckRanges(const Config& c, std::string_view input) {
   FUZZ_CHECK(o.min_bytes % kKiB == 0);
   FUZZ_CHECK(o.prefetch_bytes % kMiB == 0);
   FUZZ_CHECK(o.host_limit_bytes % kMiB == 0);
+  // What the parser yields, the checks of configurations built in code accept.
+  FUZZ_CHECK(ValidateAllocatorConfig(a).ok());
+  FUZZ_CHECK(ValidateOffloadConfig(o).ok());
 
   FUZZ_CHECK(c.device == DeviceKind::kCuda || c.device == DeviceKind::kSim);
   FUZZ_CHECK(c.sim_capacity_bytes >= kMiB && c.sim_capacity_bytes % kMiB == 0);

@@ -582,7 +582,10 @@ TEST_F(OffloadPolicyTest, OffloadAConfigurationOutOfRangeIsRefused) {
   EXPECT_THROW(engine_->SetConfig(bad), InvalidArgumentError);
   EXPECT_EQ(engine_->config(), before);
   engine_.reset();  // the only engine that came to be goes; none may be called now
-  EXPECT_THROW(allocator_->Malloc(size_t{512} << 20, 0, compute_), OutOfMemoryError);
+  // A request the device could hold, were it not full: the ladder asks whoever registered.
+  void* full = allocator_->Malloc(size_t{200} << 20, 0, compute_);
+  EXPECT_THROW(allocator_->Malloc(size_t{100} << 20, 0, compute_), OutOfMemoryError);
+  allocator_->Free(full);
 }
 
 // One process per GPU is the common case: an auto budget must not ask the other devices for their
