@@ -48,12 +48,17 @@ uint64_t KeptSaves::Add(const at::Tensor& tensor) {
   } catch (const std::exception&) {
     return 0;  // no storage to be had (a wrapper subclass)
   }
-  // Nested tensors have no sizes or strides of their own (their buffer's are kept as they are).
-  if (!tensor.is_nested()) {
+  save.view.element_size = static_cast<size_t>(tensor.element_size());
+  if (tensor.is_nested()) {
+    // A nested tensor has no sizes or strides of its own: its view is the buffer it keeps whole.
+    save.nested = true;
+    save.view.sizes = {static_cast<int64_t>(tensor.storage().nbytes() / save.view.element_size)};
+    save.view.strides = {1};
+    save.view.offset = 0;
+  } else {
     save.view.sizes = tensor.sizes().vec();
     save.view.strides = tensor.strides().vec();
     save.view.offset = tensor.storage_offset();
-    save.view.element_size = static_cast<size_t>(tensor.element_size());
   }
   std::lock_guard lock(mutex_);
   const uint64_t token = next_token_++;

@@ -25,7 +25,8 @@ struct KeptSave {
   // The save's own storage, alive while the registration is: the saved tensor holds it, and goes
   // only after the registration does (SavedHandle's and _Kept's member order).
   const c10::StorageImpl* storage = nullptr;
-  ViewInfo view;  // the saved tensor's geometry on that storage
+  ViewInfo view;        // the saved tensor's geometry on that storage
+  bool nested = false;  // a nested tensor's save: `view` is its whole buffer, one dimension
 };
 
 class KeptSaves {

@@ -67,20 +67,27 @@ py::list SavedViewDicts(const EntryInfo& entry) {
   return out;
 }
 
+py::dict KeptSaveDict(const KeptSave& save) {
+  py::dict d = SavedViewDict(save.view);
+  if (save.nested) d["nested"] = true;
+  return d;
+}
+
 py::list KeptSaveDicts(const std::vector<KeptSave>& kept) {
   py::list out;
-  for (const KeptSave& save : kept) out.append(SavedViewDict(save.view));
+  for (const KeptSave& save : kept) out.append(KeptSaveDict(save));
   return out;
 }
 
-py::list Keepers(const at::Tensor& tensor) {
-  CheckTensor(tensor, "spillway.keepers");
-  const std::optional<EntryInfo> entry = EntryOf(tensor);
+namespace {
+
+// keepers() of a tensor whose entry and kept saves were looked up already.
+py::list KeepersOf(const at::Tensor& tensor, const std::optional<EntryInfo>& entry,
+                   const std::vector<KeptSave>& kept) {
   py::list out = entry ? SavedViewDicts(*entry) : py::list();
   // Saves kept as they are hold the storage through tensors of their own (counted among its
   // holders when on this very storage, not when on a second storage over its memory).
-  const std::vector<KeptSave> kept = KeptSavesOf(tensor);
-  for (const KeptSave& save : kept) out.append(SavedViewDict(save.view));
+  for (const KeptSave& save : kept) out.append(KeptSaveDict(save));
   const int64_t ours = entry ? 1 : 0;  // the engine's binding
   const int64_t external = static_cast<int64_t>(tensor.storage().use_count()) - ours -
                            KeptOn(tensor.storage().unsafeGetStorageImpl(), kept);
@@ -91,6 +98,13 @@ py::list Keepers(const at::Tensor& tensor) {
     out.append(d);
   }
   return out;
+}
+
+}  // namespace
+
+py::list Keepers(const at::Tensor& tensor) {
+  CheckTensor(tensor, "spillway.keepers");
+  return KeepersOf(tensor, EntryOf(tensor), KeptSavesOf(tensor));
 }
 
 py::dict Release(const at::Tensor& tensor, bool force) {
@@ -104,9 +118,12 @@ py::dict Release(const at::Tensor& tensor, bool force) {
   }
   // Saves the hooks kept as they are read the memory itself at backward: freed, that read would
   // crash or return garbage, where a tracked save raises.
-  if (const size_t kept = KeptSavesOf(tensor).size(); kept != 0 && !force) {
+  // Looked up once: each lookup takes the allocator's lock.
+  const std::optional<AllocationInfo> block = SpillwayBlockOf(tensor);
+  const std::vector<KeptSave> kept = block ? KeptSaves::Get().On(*block) : std::vector<KeptSave>();
+  if (!kept.empty() && !force) {
     throw InvalidArgumentError(
-        "spillway.release: " + std::to_string(kept) +
+        "spillway.release: " + std::to_string(kept.size()) +
         " tensor(s) saved for backward and kept as they are (tensor subclasses, nested or "
         "quantized tensors, a second storage over this memory such as "
         "torch.from_numpy(t.numpy())) still read this storage's memory; releasing it would "
@@ -141,7 +158,7 @@ py::dict Release(const at::Tensor& tensor, bool force) {
         "saved under its hooks; freed, that read would crash. Pass force=True if nothing will "
         "read it again.");
   }
-  py::list keepers = Keepers(tensor);
+  py::list keepers = KeepersOf(tensor, entry, kept);
   const int64_t ours = entry ? 1 : 0;
   // The tensor passed in is one holder; the caller asks about the others.
   const int64_t other_holders = static_cast<int64_t>(storage.use_count()) - ours - 1;
@@ -155,9 +172,7 @@ py::dict Release(const at::Tensor& tensor, bool force) {
   }
   // Forced past kept saves: the block goes back and may serve the next tensor, which they must
   // not be taken to hold.
-  if (const std::optional<AllocationInfo> block = SpillwayBlockOf(tensor)) {
-    KeptSaves::Get().Forget(*block);
-  }
+  if (block) KeptSaves::Get().Forget(*block);
   impl->set_data_ptr_noswap(c10::DataPtr(nullptr, storage.device()));
   impl->set_nbytes(0);
   py::dict out;

@@ -25,7 +25,8 @@ pybind11::dict Release(const at::Tensor& tensor, bool force);
 // {"kind": "saved", "shape", "stride", "offset"} for each saved view of an engine entry.
 pybind11::list SavedViewDicts(const EntryInfo& entry);
 
-// The same for saves kept as they are (KeptSaves).
+// The same for saves kept as they are (KeptSaves); a nested tensor's save is its whole buffer,
+// one dimension, with "nested": True.
 pybind11::list KeptSaveDicts(const std::vector<KeptSave>& kept);
 
 // Reports of the latest release() calls (bounded), for snapshots and spillway.report.
