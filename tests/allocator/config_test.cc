@@ -469,6 +469,17 @@ TEST(SplitPytorchConfigTest, MalformedStringIsAnError) {
                        "malformed item 2"));
 }
 
+// What `validate` says of a default configuration after `change`: a refusal, whose message it is.
+template <typename SomeConfig>
+std::string RefusalOf(absl::Status (*validate)(const SomeConfig&),
+                      const std::function<void(SomeConfig&)>& change) {
+  SomeConfig config;
+  change(config);
+  const absl::Status status = validate(config);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  return std::string(status.message());
+}
+
 // Configurations built in code go through the checks the parser makes on strings.
 TEST(ValidateConfigTest, DefaultsAndEveryParsedConfigAreValid) {
   EXPECT_TRUE(ValidateAllocatorConfig(AllocatorConfig{}).ok());
@@ -483,11 +494,7 @@ TEST(ValidateConfigTest, DefaultsAndEveryParsedConfigAreValid) {
 
 TEST(ValidateConfigTest, AllocatorFieldsOutOfRangeAreNamed) {
   const auto error_of = [](const std::function<void(AllocatorConfig&)>& change) {
-    AllocatorConfig config;
-    change(config);
-    const absl::Status status = ValidateAllocatorConfig(config);
-    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-    return std::string(status.message());
+    return RefusalOf(ValidateAllocatorConfig, change);
   };
   EXPECT_EQ(error_of([](AllocatorConfig& c) { c.max_split_size = 2 * kMiB; }),
             "bad AllocatorConfig.max_split_size = 2097152 bytes: expected more than 2097152 bytes "
@@ -510,11 +517,7 @@ TEST(ValidateConfigTest, AllocatorFieldsOutOfRangeAreNamed) {
 
 TEST(ValidateConfigTest, OffloadFieldsOutOfRangeAreNamed) {
   const auto error_of = [](const std::function<void(OffloadConfig&)>& change) {
-    OffloadConfig config;
-    change(config);
-    const absl::Status status = ValidateOffloadConfig(config);
-    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
-    return std::string(status.message());
+    return RefusalOf(ValidateOffloadConfig, change);
   };
   EXPECT_EQ(error_of([](OffloadConfig& c) { c.budget_fraction = 0; }),
             "bad OffloadConfig.budget_fraction = 0: expected a number in (0, 1]");
