@@ -12,9 +12,10 @@
 
 namespace spillway {
 
-// Whether a registration was removed; read and written under its CallbackGuard's mutex.
+// One registration's state; read and written under its CallbackGuard's mutex.
 struct CallbackSlot {
   bool removed = false;
+  int in_flight = 0;  // calls in progress, over every thread
 };
 
 // One registered callback.
@@ -35,7 +36,7 @@ class CallbackGuard {
   // A call in progress, if the slot was still registered when it began (check with bool).
   class Call {
    public:
-    Call(CallbackGuard& guard, const CallbackSlot* slot);
+    Call(CallbackGuard& guard, CallbackSlot* slot);
     ~Call();
     Call(const Call&) = delete;
     Call& operator=(const Call&) = delete;
@@ -43,17 +44,20 @@ class CallbackGuard {
 
    private:
     CallbackGuard& guard_;
+    CallbackSlot* slot_ = nullptr;  // set once entered
     bool entered_ = false;
   };
 
-  // Marks `slot` removed (null: nothing) and waits until no call is in progress. A removal made
-  // from inside a call on the same thread does not wait: it would wait for itself.
+  // Marks `slot` removed (null: nothing) and waits until no call of it is in progress on another
+  // thread. Calls of it that enclose the removal on this thread are not waited for (they would
+  // wait for themselves); calls of other callbacks are not waited for at all. A callback that
+  // removes a second one while that one, on another thread, removes the first waits forever:
+  // no owner here does that.
   void Remove(CallbackSlot* slot);
 
  private:
   std::mutex mutex_;
-  std::condition_variable idle_;
-  int in_flight_ = 0;
+  std::condition_variable call_ended_;
 };
 
 // One replaceable callback (the pressure handler, the stream-error observer): callers take the

@@ -93,6 +93,33 @@ TEST_F(CallbackRemovalTest, RemovingAFreeMemoryCallbackWaitsForItsCall) {
   allocator_->Free(held);
 }
 
+// A removal made inside another callback (here the pressure handler removes an out-of-memory
+// callback) still waits for the removed callback's call on another thread: being inside a call
+// exempts only calls of the slot being removed, on the removing thread.
+TEST_F(CallbackRemovalTest, ARemovalInsideAnotherCallbackWaitsForTheRemovedOnesCall) {
+  Reset(AllocatorConfig{}, 64 * kMiB);
+  void* held = Alloc(40 * kMiB);
+  Latch latch;
+  std::atomic<bool> returned{false};
+  const uint64_t id = allocator_->AddFreeMemoryCallback([&](int, size_t) -> size_t {
+    latch.Enter();
+    returned = true;
+    return 0;
+  });
+  std::thread out_of_memory([&] { EXPECT_THROW(Alloc(40 * kMiB), OutOfMemoryError); });
+  latch.AwaitEntered();
+  allocator_->SetWatermark(0, 1);  // from now on every allocation runs the handler first
+  std::atomic<bool> handler_removed{false};
+  allocator_->SetPressureHandler([&](int, size_t) {
+    if (!handler_removed.exchange(true)) allocator_->RemoveFreeMemoryCallback(id);
+  });
+  ExpectRemovalWaitsForTheCall(latch, returned, [&] { allocator_->Free(Alloc(4096)); });
+  out_of_memory.join();
+  EXPECT_TRUE(handler_removed);
+  allocator_->SetPressureHandler({});
+  allocator_->Free(held);
+}
+
 TEST_F(CallbackRemovalTest, ACallbackMayRemoveItself) {
   allocator_->SetWatermark(0, 1);
   int calls = 0;
