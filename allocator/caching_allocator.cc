@@ -72,7 +72,7 @@ void* CachingAllocator::Malloc(size_t size, int device, StreamRef stream) {
   // (Not for a request that fits nowhere: `auto` would spill everything for it, for nothing.)
   const auto handler = pressure_handler_.Get();
   if (const CallbackGuard::Call call(callback_guard_, handler.get());
-      call && allocator.CouldEverFit(size)) {
+      call && allocator.CouldEverFit(size, stream)) {
     handler->fn(device, allocator.RoundSize(size));
   }
   return MallocOn(allocator, size, stream, context, /*watermark_first=*/false);

@@ -88,10 +88,10 @@ class DeviceAllocator {
   void SetWatermarkFraction(double fraction);
   // What an allocation of `size` bytes takes (the size policy's rounding).
   size_t RoundSize(size_t size) const { return policy_.RoundSize(size); }
-  // False when a request of `size` fits nowhere, whatever is freed: it is larger than the device,
-  // or than the limit and every segment. The holders (the offload engine) are not asked to make
-  // room for it.
-  bool CouldEverFit(size_t size) const;
+  // False when a request of `size` on `stream` fits nowhere, whatever is freed: the least segment
+  // that would serve it is larger than the device, or than the limit and every segment of its
+  // stream that it may use. The holders (the offload engine) are not asked to make room for it.
+  bool CouldEverFit(size_t size, StreamRef stream) const;
   // Returns false (and changes nothing) when `ptr` is not a live allocation of this device.
   bool Free(void* ptr, TraceContext context);
   // Marks `ptr` as used by `stream`, a stream of `stream_device`: when freed it is reused only
@@ -164,10 +164,13 @@ class DeviceAllocator {
   // A new segment for a `rounded`-byte request: PyTorch's size, or the least that holds the
   // request when that does not fit. kNoBlock when neither does.
   BlockId AllocSegment(PoolKind kind, StreamRef stream, size_t rounded);
+  // The segment AllocSegment takes first: PyTorch's size, unless that would leave a remainder that
+  // no request below max_split_size could use.
+  size_t FullSegmentSize(size_t rounded) const;
   // The least segment AllocSegment may take for the request (PyTorch's size when the least one
   // would break an oversize rule).
   size_t LeastSegmentSize(size_t rounded) const;
-  bool CouldEverFitLocked(size_t rounded) const;
+  bool CouldEverFitLocked(PoolKind kind, StreamRef stream, size_t rounded) const;
   BlockId NewSegment(PoolKind kind, StreamRef stream, size_t segment_size);
   void* UseBlock(BlockId block, size_t rounded, size_t requested, TraceContext context);
   void FreeBlock(BlockId block);

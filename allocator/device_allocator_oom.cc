@@ -16,7 +16,7 @@ namespace spillway {
 BlockId DeviceAllocator::AskHolders(PoolKind kind, StreamRef stream, size_t rounded,
                                     std::unique_lock<std::mutex>& lock) {
   // Spills for a request that fits nowhere would cost copies now and reloads later for nothing.
-  if (!CouldEverFitLocked(rounded)) return kNoBlock;
+  if (!CouldEverFitLocked(kind, stream, rounded)) return kNoBlock;
   const std::vector<FreeMemoryCallback> callbacks = callbacks_();
   // First the least that could serve (what the least new segment needs: spilling 20 MiB for a
   // 2 MiB request costs copies now and reloads later), then twice as much each time while the
@@ -49,18 +49,26 @@ BlockId DeviceAllocator::AskHolders(PoolKind kind, StreamRef stream, size_t roun
   return block;
 }
 
-bool DeviceAllocator::CouldEverFit(size_t size) const {
+bool DeviceAllocator::CouldEverFit(size_t size, StreamRef stream) const {
   std::lock_guard lock(mutex_);
-  return CouldEverFitLocked(policy_.RoundSize(size));
+  const size_t rounded = policy_.RoundSize(size);
+  return CouldEverFitLocked(SizePolicy::PoolFor(rounded), stream, rounded);
 }
 
-bool DeviceAllocator::CouldEverFitLocked(size_t rounded) const {
-  if (rounded > TotalMemory()) return false;
+bool DeviceAllocator::CouldEverFitLocked(PoolKind kind, StreamRef stream, size_t rounded) const {
+  // A new segment is never smaller than the least one that serves (a 512-byte request needs a
+  // 2 MiB small-pool segment), whatever the request's own size.
+  const size_t least = LeastSegmentSize(rounded);
   const size_t limit = Limit();
-  if (limit == 0 || rounded <= limit) return true;
-  // Over a limit set after memory was reserved, a segment already that large can still serve.
-  return std::any_of(segments_.begin(), segments_.end(),
-                     [&](const auto& segment) { return segment.second.size >= rounded; });
+  if (least <= TotalMemory() && (limit == 0 || least <= limit)) return true;
+  // Over a limit (one set after memory was reserved, or one below the least segment), a segment
+  // already there can still serve, once freed: one large enough that this request may take, of
+  // its stream and pool (or of the large pool, for a small request at the edge of memory).
+  return std::any_of(segments_.begin(), segments_.end(), [&](const auto& entry) {
+    const Segment& segment = entry.second;
+    return segment.size >= rounded && segment.stream == stream &&
+           (segment.pool == kind || kind == PoolKind::kSmall);
+  });
 }
 
 BlockId DeviceAllocator::Reclaim(PoolKind kind, StreamRef stream, size_t rounded) {

@@ -110,6 +110,21 @@ TEST_F(CachingAllocatorTest, BestFitPicksSmallestSufficientBlock) {
   allocator_->Free(q);
 }
 
+// Below 20 MiB, max_split_size would make the remainder of PyTorch's shared 20 MiB segment an
+// oversize block, of use to no request below it: each 1-10 MiB request took 20 MiB of its own,
+// and three of them left a 64 MiB device unable to hold 4 MiB more.
+TEST_F(CachingAllocatorTest, AMaxSplitSizeUnder20MiBGivesRequestsBelowItTheirOwnSize) {
+  AllocatorConfig config;
+  config.max_split_size = 6 * kMiB;
+  Reset(config, 64 * kMiB);
+  std::vector<void*> held;
+  for (int i = 0; i < 3; ++i) held.push_back(Alloc(3 * kMiB / 2));
+  EXPECT_EQ(Stat("reserved_bytes.all.current"), static_cast<int64_t>(3 * 2 * kMiB));
+  held.push_back(Alloc(4 * kMiB));
+  EXPECT_EQ(Stat("reserved_bytes.all.current"), static_cast<int64_t>(3 * 2 * kMiB + 4 * kMiB));
+  for (void* p : held) allocator_->Free(p);
+}
+
 TEST_F(CachingAllocatorTest, MaxSplitSizeKeepsOversizeBlocksWhole) {
   AllocatorConfig config;
   config.max_split_size = 20 * kMiB;

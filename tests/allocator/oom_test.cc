@@ -88,6 +88,27 @@ TEST_F(OomTest, ARequestOverALoweredLimitThatASegmentCanServeAsksTheHolders) {
   allocator_->Free(again);
 }
 
+// What fits is the least segment that serves, not the request: a 4 KiB request needs a 2 MiB
+// small-pool segment, which a 1 MiB limit never allows. And a segment over the limit serves only
+// requests of its own stream. The holders are asked in neither case.
+TEST_F(OomTest, HoldersAreNotAskedWhenNoSegmentThatServesCouldFit) {
+  const StreamRef other = backend_->create_stream(0);
+  void* held = Alloc(40 * kMiB, other);
+  int calls = 0;
+  allocator_->AddFreeMemoryCallback([&](int, size_t) -> size_t {
+    ++calls;
+    return 0;
+  });
+  allocator_->SetMemoryLimit(32 * kMiB, 0);
+  EXPECT_THROW(Alloc(36 * kMiB, stream_), OutOfMemoryError);  // the 40 MiB segment is `other`'s
+  EXPECT_EQ(calls, 0);
+  allocator_->SetMemoryLimit(1 * kMiB, 0);
+  EXPECT_THROW(Alloc(4096, stream_), OutOfMemoryError);
+  EXPECT_EQ(calls, 0);
+  allocator_->SetMemoryLimit(0, 0);
+  allocator_->Free(held);
+}
+
 TEST_F(OomTest, FreeMemoryCallbackTurnsFailureIntoSuccess) {
   void* held = Alloc(40 * kMiB);
   size_t asked = 0;
