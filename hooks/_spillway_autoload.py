@@ -24,12 +24,15 @@ _HONOURED = ("max_split_size_mb", "roundup_power2_divisions", "garbage_collectio
 
 def _split(lib, text):
     """(spillway items, pytorch items) of `text`, split by Spillway's own parser."""
-    size = len(text) + 1
+    data = text.encode()  # sized in bytes: a non-ASCII character takes more than one
+    size = len(data) + 1
     ours = ctypes.create_string_buffer(size)
     theirs = ctypes.create_string_buffer(size)
-    rc = lib.spillway_split_config(text.encode(), ours, size, theirs, size)
-    if rc != 0:
-        raise ValueError(lib.spillway_last_error().decode())
+    rc = lib.spillway_split_config(data, ours, size, theirs, size)
+    if rc == -1:
+        raise ValueError(lib.spillway_last_error().decode(errors="replace"))
+    if rc != 0:  # not the user's doing: neither half can be longer than the whole
+        raise RuntimeError(f"spillway_split_config returned {rc} for {text!r}")
     return ours.value.decode(), theirs.value.decode()
 
 

@@ -69,6 +69,24 @@ def test_pytorch_keys_stay_and_spillway_keys_are_taken_out():
     assert out["pytorch_conf"] == "max_split_size_mb:64"
 
 
+def test_a_variable_with_non_ascii_text_is_split_by_its_bytes():
+    """Helper review: the split's buffers were sized in characters, so a variable whose non-ASCII
+    text all went to one half left that half a byte short: Spillway was not loaded (with an empty
+    error), and a PyTorch item beside a bad Spillway value was dropped."""
+    env = {"PYTHONUSERBASE": SITE, "SPILLWAY_ALLOC_CONF": "device:sim",
+           "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,n\u00e9e:1"}
+    out = lines_of(run_script(PLAIN_SCRIPT, env=env))
+    assert out["installed"] == "sim"
+    assert out["max_split_size"] == str(64 << 20)
+    assert out["pytorch_conf"] == "max_split_size_mb:64,n\u00e9e:1"
+    env = {"PYTHONUSERBASE": SITE,
+           "PYTORCH_CUDA_ALLOC_CONF": "backend:spillway,offload:\u00e9t\u00e9,n\u00e9e:1"}
+    result = run_script(ENV_SCRIPT, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "bad value '\u00e9t\u00e9' for key 'offload'" in result.stderr
+    assert "PYTORCH_CUDA_ALLOC_CONF 'n\u00e9e:1'" in result.stdout
+
+
 def test_pytorch_keys_count_when_only_spillways_variable_asks():
     """User review: max_split_size_mb in PYTORCH_CUDA_ALLOC_CONF was honoured only when that same
     variable named backend:spillway (on CUDA, then, by nobody)."""
