@@ -34,6 +34,15 @@ import sys as _sys
 if "_spillway_autoload" in _sys.modules:  # an environment install that waited for this import
     _boot = _sys.modules["_spillway_autoload"]
     _boot._report(_boot.finish_pending)
+else:
+    # The start-up hook did not run (`python -s`, or a virtual environment without spillway.pth),
+    # yet SPILLWAY_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF may ask for Spillway: run it now, so that
+    # the script's own install() finds the same install as with the hook, not the variables
+    # silently ignored. (It sits beside this package; it does nothing unless a variable asks.)
+    try:
+        import _spillway_autoload  # noqa: F401 - imported for what it does
+    except ImportError:
+        pass
 
 __all__ = [
     "budget_bytes",

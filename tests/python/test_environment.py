@@ -164,6 +164,25 @@ def test_a_script_that_installs_spillway_itself_runs_under_the_variable():
     assert out["installed"] == "sim"
 
 
+def test_importing_spillway_applies_the_variables_when_the_start_up_hook_did_not_run():
+    """Helper review: under `python -s` (or in a virtual environment without spillway.pth) the
+    hook never ran, and install() ignored SPILLWAY_ALLOC_CONF without a word."""
+    script = """
+        import torch, spillway
+        spillway.install("sim")  # a repeat of what the variable asked for: no error
+        x = torch.randn(256, 256, requires_grad=True)
+        torch.tanh(x @ x).sum().backward()
+        stats = spillway.memory_stats()
+        print("installed", spillway.installed())
+        print("saved_seen", stats["spillway.num_keepers"])
+    """
+    env = {"PYTHONNOUSERSITE": "1",
+           "SPILLWAY_ALLOC_CONF": "device:sim,capacity_mb:256,offload:eager,offload_min_kb:0"}
+    out = lines_of(conftest.run_script(script, env=env))
+    assert out["installed"] == "sim"
+    assert int(out["saved_seen"]) >= 2  # process-wide offload, as the variable asked, saw the saves
+
+
 def test_nothing_happens_without_the_variables():
     result = run_script("import torch, spillway; torch.ones(3); print(spillway.installed())",
                         env={"PYTHONUSERBASE": SITE})
