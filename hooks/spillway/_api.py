@@ -14,7 +14,7 @@ _POLICIES = ("off", "eager", "auto")
 _lock = threading.Lock()
 _INT64_MAX = (1 << 63) - 1
 # The bound of the configuration key history_entries (allocator/config.cc): the history ring of
-# each device is allocated up front, max_entries entries of it.
+# each device grows as events come, up to max_entries of them.
 _MAX_HISTORY_ENTRIES = 10_000_000
 
 
@@ -360,10 +360,12 @@ def residency(tensor):
     return _C.residency(tensor)
 
 
-def record_history(enabled=True, max_entries=100000, stacks="python"):
+def record_history(enabled=True, max_entries=None, stacks="python"):
     """Records allocator events, like torch.cuda.memory._record_memory_history. `enabled` is a
-    bool, or as torch 2.x spells it "all" (record) or None (stop). stacks="python" attaches the
-    allocating Python frames (on threads that hold the GIL); "none" records none."""
+    bool, or as torch 2.x spells it "all" (record) or None (stop). max_entries bounds the history
+    ring (oldest events go first); None: the history_entries key (default 100000).
+    stacks="python" attaches the allocating Python frames (on threads that hold the GIL); "none"
+    records none."""
     if isinstance(enabled, str) and enabled == "state":
         raise ValueError("enabled='state' (frames of live blocks without an event history) is not "
                          "supported: Spillway records the history with its frames; pass 'all' or "
@@ -383,13 +385,16 @@ def record_history(enabled=True, max_entries=100000, stacks="python"):
                          "Python frames only; pass 'python' or 'none'")
     if stacks not in ("python", "none", None):
         raise ValueError(f"stacks must be 'python' or 'none', got {stacks!r}")
-    if (isinstance(max_entries, bool) or not isinstance(max_entries, numbers.Integral)
+    if max_entries is not None and (
+            isinstance(max_entries, bool) or not isinstance(max_entries, numbers.Integral)
             or not 1 <= max_entries <= _MAX_HISTORY_ENTRIES):
         raise ValueError(
             f"max_entries must be a positive int number of entries, at most "
-            f"{_MAX_HISTORY_ENTRIES} (as for the history_entries key), got {max_entries!r}")
+            f"{_MAX_HISTORY_ENTRIES} (as for the history_entries key), or None for that key's "
+            f"value, got {max_entries!r}")
     _require_installed("record_history")
-    _C.record_history(enabled, int(max_entries), stacks or "none")
+    # 0 asks the allocator for its configured history_entries.
+    _C.record_history(enabled, 0 if max_entries is None else int(max_entries), stacks or "none")
 
 
 def snapshot():

@@ -7,6 +7,7 @@ import torch
 from torch.cuda import _memory_viz
 
 import spillway
+import conftest
 from conftest import stat
 
 VIEWER_SEGMENT_KEYS = {"device", "address", "total_size", "stream", "blocks"}
@@ -123,6 +124,20 @@ def test_record_history_checks_its_arguments():
         spillway.record_history(True, stacks="cpp")
     with pytest.raises(ValueError, match="max_entries must be a positive"):
         spillway.record_history(True, max_entries=0)
+
+
+def test_the_history_entries_key_bounds_the_history_recorded_from_python():
+    """Helper review: record_history() passed its own default of 100000 entries, so the
+    history_entries key did nothing from Python."""
+    result = conftest.run_script("""
+        import torch, spillway
+        spillway.install("sim", conf="history_entries:5")
+        spillway.record_history()
+        kept = [torch.empty(1024) for _ in range(20)]
+        print(len(spillway.snapshot()["device_traces"][0]))
+    """)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout) == 5
 
 
 def test_a_frame_whose_filename_is_no_utf8_leaves_no_error_set(recorded):
