@@ -99,7 +99,7 @@ _user_conf = None
 
 
 def _run():
-    global _pending, _user_conf
+    global _pending, _user_conf, _borrowed, _sources
     # Set but empty (or blank) is the same as unset: no request, so no attempt at device=cuda.
     wanted = os.environ.get("SPILLWAY_ALLOC_CONF", "").strip() != "" or any(
         "spillway" in os.environ.get(v, "") for v in _PYTORCH_VARS)
@@ -108,9 +108,9 @@ def _run():
     here = os.path.dirname(os.path.abspath(__file__))
     lib = ctypes.CDLL(os.path.join(here, "spillway", "libspillway_alloc.so"))
     lib.spillway_last_error.restype = ctypes.c_char_p
-    parts = []
-    sources = []  # (variable, item) of every item the merged string takes, in its order
-    global _borrowed
+    # (variable, item) of every item the merged string takes, in the order read: the variables in
+    # _PYTORCH_VARS's order, then SPILLWAY_ALLOC_CONF; the last value of a key wins.
+    sources = []
     _borrowed = []
     for var in _PYTORCH_VARS:
         value = os.environ.get(var)
@@ -128,22 +128,20 @@ def _run():
                 os.environ[var] = theirs
             else:
                 del os.environ[var]
-            parts.append(ours)
-            parts.extend(_honoured_items(theirs))
             sources.extend((var, item) for item in _items(ours) + _honoured_items(theirs))
         else:
             # PyTorch's keys that Spillway honours count even from a variable that does not name
             # Spillway (on CUDA PyTorch's own allocator, which would have read them, serves
             # nothing); but one Spillway's stricter parser refuses is skipped with a warning
             # rather than keep Spillway from loading (finish_pending).
-            _borrowed.extend((var, item) for item in _honoured_items(theirs))
+            borrowed = [(var, item) for item in _honoured_items(theirs)]
+            _borrowed.extend(borrowed)
+            sources.extend(borrowed)
     _user_conf = os.environ.get("SPILLWAY_ALLOC_CONF")
     own = (_user_conf or "").strip()
-    sources.extend(_borrowed)
+    conf = ",".join([item for _, item in sources if item] + ([own] if own else []))
     sources.extend(("SPILLWAY_ALLOC_CONF", item) for item in _items(own) if own)
-    global _sources
     _sources = sources  # warned of once the borrowed items are checked (finish_pending)
-    conf = ",".join(p for p in parts + [item for _, item in _borrowed] + [own] if p)
     # The process allocator of libspillway_alloc.so reads SPILLWAY_ALLOC_CONF on first use: give
     # it the merged string, so every entry point sees the same configuration. If the install
     # fails, finish_pending puts the user's value back. The Spillway keys taken out of

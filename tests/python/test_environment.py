@@ -118,6 +118,18 @@ def test_a_key_given_two_values_is_warned_of():
     assert out["spills"] == "0"
 
 
+def test_the_variables_are_read_in_one_order_whichever_names_spillway():
+    """Helper review: a key borrowed from a variable that does not name Spillway was read after
+    every variable that does, so PYTORCH_CUDA_ALLOC_CONF's value beat PYTORCH_ALLOC_CONF's."""
+    env = {"PYTHONUSERBASE": SITE, "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64",
+           "PYTORCH_ALLOC_CONF": "backend:spillway,device:sim,max_split_size_mb:128"}
+    result = run_script(PLAIN_SCRIPT, env=env)
+    assert ("spillway: max_split_size_mb is given twice, max_split_size_mb:64 in "
+            "PYTORCH_CUDA_ALLOC_CONF and max_split_size_mb:128 in PYTORCH_ALLOC_CONF; using "
+            "max_split_size_mb:128") in result.stderr, result.stderr
+    assert lines_of(result)["max_split_size"] == str(128 << 20)
+
+
 def test_a_borrowed_value_that_is_skipped_is_no_conflict():
     """Review: the conflict warning named a borrowed value as the one used, which was then
     skipped as invalid."""
