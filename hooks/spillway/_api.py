@@ -51,8 +51,8 @@ def _check_bool(name, value):
 def install(device=None, conf=None, capacity_bytes=None):
     """Makes Spillway serve PyTorch's allocations on `device`.
 
-    device: "cuda" installs Spillway as PyTorch's CUDA allocator (must run before CUDA
-        initializes); "sim" installs the simulated device (host memory with a capacity) as
+    device: "cuda" (or torch.device("cuda")) installs Spillway as PyTorch's CUDA allocator, for
+        every CUDA device (must run before CUDA initializes); "sim" installs the simulated device (host memory with a capacity) as
         PyTorch's CPU allocator, so CPU tensors created afterwards live in it. Default: the
         configuration's `device` key, else "cuda".
     conf: a `key:value,...` string (the grammar of PYTORCH_CUDA_ALLOC_CONF); see README.
@@ -67,8 +67,11 @@ def install(device=None, conf=None, capacity_bytes=None):
     if device is None:
         # The install in force (a repeat names nothing new), else the configuration's key.
         device = _C.installed_mode() or _C.describe_config(conf or "")["device"]
+    if isinstance(device, torch.device) and device.type == "cuda" and device.index is None:
+        device = "cuda"  # torch.device("cuda"), as torch's own calls take it
     if device not in ("cuda", "sim"):
-        raise ValueError(f"device must be 'cuda' or 'sim', got {device!r}")
+        raise ValueError(f"device must be 'cuda' or 'sim' (Spillway serves every CUDA device: no "
+                         f"index), got {device!r}")
     capacity_bytes = _check_bytes("capacity_bytes", capacity_bytes, positive=True)
     if capacity_bytes is not None and device != "sim":
         # Before the CUDA checks below, which would name another problem.

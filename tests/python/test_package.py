@@ -21,6 +21,7 @@ def test_a_different_install_is_refused():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"device": "tpu"}, "device must be 'cuda' or 'sim'"),
+    ({"device": torch.device("cuda", 0)}, "device must be 'cuda' or 'sim'"),
     ({"device": "sim", "capacity_bytes": -5}, "capacity_bytes must be a positive"),
     ({"device": "sim", "capacity_bytes": 1000}, "multiple of 1 MiB"),
     ({"device": "cuda", "capacity_bytes": 1 << 20}, "applies to device='sim' only"),
@@ -29,6 +30,23 @@ def test_a_different_install_is_refused():
 def test_install_checks_its_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         spillway.install(**kwargs)
+
+
+def test_install_takes_a_torch_device_for_cuda():
+    """Helper review: install(device=torch.device("cuda")) was refused as no device at all."""
+    result = run_script("""
+        import torch, spillway
+        try:
+            spillway.install(device=torch.device("cuda"))
+        except Exception as error:
+            print(type(error).__name__, error)
+    """)
+    assert result.returncode == 0, result.stderr
+    if torch.cuda.is_available():
+        assert result.stdout == ""
+    else:
+        assert result.stdout.startswith("RuntimeError spillway.install(device='cuda'): this torch "
+                                        "has no usable CUDA"), result.stdout
 
 
 @pytest.mark.parametrize("kwargs, message", [
