@@ -1,5 +1,6 @@
 #include "allocator/caching_allocator.h"
 
+#include <exception>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -170,10 +171,18 @@ std::optional<AllocationInfo> CachingAllocator::LookupContaining(const void* ptr
 }
 
 void CachingAllocator::EmptyCache() {
+  // Every device, even past one whose release failed (its segments stay cached, whole): the
+  // others' cached memory still goes back. The first failure is reported.
+  std::exception_ptr first_failure;
   for (const auto& device : devices_) {
-    device->EmptyCache();
+    try {
+      device->EmptyCache();
+    } catch (...) {
+      if (first_failure == nullptr) first_failure = std::current_exception();
+    }
     if (device->has_stream_errors()) DispatchStreamErrors(*device);
   }
+  if (first_failure != nullptr) std::rethrow_exception(first_failure);
 }
 
 void CachingAllocator::SetStreamErrorObserver(StreamErrorObserver observer) {

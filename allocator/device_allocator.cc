@@ -513,6 +513,9 @@ void DeviceAllocator::SetMemoryFraction(double fraction) {
         fraction, device_));
   }
   std::lock_guard lock(mutex_);
+  // The device total first: asking for it may fail (on CUDA it creates the context), and then
+  // nothing may have changed, the fraction that memory_fraction() reports included.
+  TotalMemory();
   memory_fraction_ = fraction;
   limit_ = ComputeLimit();
   limit_resolved_ = true;

@@ -1,5 +1,7 @@
 // Core caching behaviour: pools, best fit, split and merge, cache reuse, limits, empty_cache.
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <set>
 #include <vector>
@@ -319,6 +321,32 @@ TEST_F(CachingAllocatorTest, LookupReportsRequestedAndRoundedSize) {
   EXPECT_EQ(info->stream.id, stream_.id);
   allocator_->Free(p);
   EXPECT_FALSE(allocator_->Lookup(p).has_value());
+}
+
+// A simulated device whose mem_info fails while `fail_mem_info` is set.
+class FailingMemInfoBackend : public SimBackend {
+ public:
+  using SimBackend::SimBackend;
+  MemInfo mem_info(int device) override {
+    if (fail_mem_info) throw BackendError("mem_info", "injected failure");
+    return SimBackend::mem_info(device);
+  }
+  std::atomic<bool> fail_mem_info{false};
+};
+
+// A fraction needs the device total; when asking for it fails, nothing changes: not the fraction
+// reported, not the limit allocations meet.
+TEST(MemoryFractionTest, AMemoryFractionWhoseDeviceTotalFailsChangesNothing) {
+  auto backend =
+      std::make_shared<FailingMemInfoBackend>(JitterOptions(std::chrono::microseconds(0)));
+  CachingAllocator alloc(backend, AllocatorConfig{});
+  backend->fail_mem_info = true;
+  EXPECT_THROW(alloc.SetMemoryFraction(0.25, 0), BackendError);
+  backend->fail_mem_info = false;
+  EXPECT_FALSE(alloc.memory_fraction(0).has_value());
+  void* p = nullptr;
+  EXPECT_NO_THROW(p = alloc.Malloc(40 * kMiB, 0, backend->default_stream(0)));
+  alloc.Free(p);
 }
 
 }  // namespace

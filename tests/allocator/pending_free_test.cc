@@ -2,7 +2,6 @@
 // stays active_pending_free until event processing releases it, and when the event cannot be
 // created or recorded the free falls back to waiting on the host instead of losing the block or
 // reusing it early. The randomized differential test covers the same states at random.
-#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <memory>
@@ -301,6 +300,22 @@ TEST(PendingFreeTest, ASegmentWhoseDeviceFreeFailsStaysCached) {
   EXPECT_NO_THROW(alloc.EmptyCache());
   EXPECT_EQ(alloc.stats(0).reserved_bytes.all().current, 0);
   EXPECT_EQ(backend->bytes_in_use(0), 0u);
+}
+
+// A release that fails on one device does not keep the others' cached memory: EmptyCache goes on,
+// then reports the failure.
+TEST(PendingFreeTest, EmptyCacheReleasesTheOtherDevicesWhenOneFails) {
+  SimBackend::Options options = JitterOptions(0us);
+  options.devices = 2;
+  auto backend = std::make_shared<FailingFreeBackend>(options);
+  CachingAllocator alloc(backend, AllocatorConfig{});
+  for (int device : {0, 1})
+    alloc.Free(alloc.Malloc(4 * kMiB, device, backend->default_stream(device)));
+  backend->fail_next_free = true;
+  EXPECT_THROW(alloc.EmptyCache(), BackendError);
+  EXPECT_EQ(alloc.stats(0).reserved_bytes.all().current, static_cast<int64_t>(20 * kMiB));
+  EXPECT_EQ(alloc.stats(1).reserved_bytes.all().current, 0) << "device 1 kept its cache";
+  EXPECT_EQ(backend->bytes_in_use(1), 0u);
 }
 
 }  // namespace
