@@ -211,6 +211,9 @@ size_t DeviceAllocator::LeastSegmentSize(size_t rounded) const {
 BlockId DeviceAllocator::NewSegment(PoolKind kind, StreamRef stream, size_t segment_size) {
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
   if (const size_t limit = Limit(); limit != 0 && reserved + segment_size > limit) return kNoBlock;
+  // The device's first memory resolves the watermark below, which needs the device total: asked
+  // now, since asking may fail, and then no segment may be left registered that nobody holds.
+  if (segments_.empty() && watermark_fraction_ != 0.0) TotalMemory();
   absl::StatusOr<void*> memory = backend_.device_malloc(device_, segment_size);
   if (!memory.ok()) {
     if (absl::IsResourceExhausted(memory.status())) return kNoBlock;

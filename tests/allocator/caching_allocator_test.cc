@@ -336,7 +336,7 @@ class FailingMemInfoBackend : public SimBackend {
 
 // A fraction needs the device total; when asking for it fails, nothing changes: not the fraction
 // reported, not the limit allocations meet.
-TEST(MemoryFractionTest, AMemoryFractionWhoseDeviceTotalFailsChangesNothing) {
+TEST(DeviceTotalFailureTest, AMemoryFractionWhoseDeviceTotalFailsChangesNothing) {
   auto backend =
       std::make_shared<FailingMemInfoBackend>(JitterOptions(std::chrono::microseconds(0)));
   CachingAllocator alloc(backend, AllocatorConfig{});
@@ -347,6 +347,20 @@ TEST(MemoryFractionTest, AMemoryFractionWhoseDeviceTotalFailsChangesNothing) {
   void* p = nullptr;
   EXPECT_NO_THROW(p = alloc.Malloc(40 * kMiB, 0, backend->default_stream(0)));
   alloc.Free(p);
+}
+
+// Under a watermark the device's first segment needs the device total; when asking for it fails,
+// the allocation fails whole: no segment stays reserved that no block of anyone's is in.
+TEST(DeviceTotalFailureTest, AFirstSegmentWhoseWatermarkCannotBeResolvedIsNotKept) {
+  auto backend =
+      std::make_shared<FailingMemInfoBackend>(JitterOptions(std::chrono::microseconds(0)));
+  CachingAllocator alloc(backend, AllocatorConfig{});
+  alloc.SetWatermarkFraction(0, 0.5);
+  backend->fail_mem_info = true;
+  EXPECT_THROW(alloc.Malloc(4 * kMiB, 0, backend->default_stream(0)), BackendError);
+  backend->fail_mem_info = false;
+  EXPECT_EQ(alloc.stats(0).reserved_bytes.all().current, 0);
+  EXPECT_EQ(backend->bytes_in_use(0), 0u);
 }
 
 }  // namespace
