@@ -68,6 +68,27 @@ def _warn_conflicts(sources):
         seen[key] = (var, value)
 
 
+# PyTorch's keys that choose or shape PyTorch's own CUDA allocator, which Spillway replaces on
+# device:cuda: kept in the variable (they are PyTorch's to judge), but serving nothing.
+_REPLACED = {
+    "backend": "chooses PyTorch's own CUDA allocator",
+    "expandable_segments": "shapes PyTorch's own CUDA allocator (Spillway has no expandable "
+                           "segments)",
+}
+
+
+def _replaced_items(environ):
+    """Warnings for the items of PyTorch's variables that Spillway on CUDA makes moot."""
+    warnings = []
+    for var in _PYTORCH_VARS:
+        for item in _items(environ.get(var) or ""):
+            key, _, value = (part.strip() for part in item.partition(":"))
+            if key in _REPLACED and not (key == "expandable_segments" and value == "False"):
+                warnings.append(f"spillway: {item} in {var} {_REPLACED[key]}, which Spillway "
+                                f"replaces on CUDA: it has no effect")
+    return warnings
+
+
 def _without_ours(lib, text):
     """`text` less every item Spillway's split would take, those with a bad value included (the
     whole-string split refuses those, and PyTorch would reject them all the same)."""
@@ -211,6 +232,9 @@ def finish_pending():
         # SPILLWAY_ALLOC_CONF as the user set it, not the merged string.
         _set_or_unset("SPILLWAY_ALLOC_CONF", _user_conf)
         raise
+    if info["device"] == "cuda":
+        for warning in _replaced_items(os.environ):
+            print(warning, file=sys.stderr)
     # "off" too: it registers saved tensors (keepers() sees them) and never spills.
     if info["offload"] is not None:
         _C.configure_offload(info["offload"], info["budget_bytes"], info["budget_fraction"],

@@ -130,6 +130,21 @@ def test_the_variables_are_read_in_one_order_whichever_names_spillway():
     assert lines_of(result)["max_split_size"] == str(128 << 20)
 
 
+def test_pytorch_keys_that_spillway_makes_moot_on_cuda_are_named():
+    """Helper review: backend:cudaMallocAsync or expandable_segments:True beside Spillway on CUDA
+    did nothing, without a word. (Checked on the words alone: installing on CUDA needs a GPU.)"""
+    import _spillway_autoload as hook
+    assert hook._replaced_items({
+        "PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync,max_split_size_mb:64",
+        "PYTORCH_ALLOC_CONF": "expandable_segments:True,garbage_collection_threshold:0.5"}) == [
+        "spillway: backend:cudaMallocAsync in PYTORCH_CUDA_ALLOC_CONF chooses PyTorch's own CUDA "
+        "allocator, which Spillway replaces on CUDA: it has no effect",
+        "spillway: expandable_segments:True in PYTORCH_ALLOC_CONF shapes PyTorch's own CUDA "
+        "allocator (Spillway has no expandable segments), which Spillway replaces on CUDA: it has "
+        "no effect"]
+    assert hook._replaced_items({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}) == []
+
+
 def test_a_borrowed_value_that_is_skipped_is_no_conflict():
     """Review: the conflict warning named a borrowed value as the one used, which was then
     skipped as invalid."""
