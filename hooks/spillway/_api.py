@@ -182,6 +182,9 @@ def _unpack(packed):
 # How many offload blocks are open, and whether saves outside them are offloaded too (the
 # environment hook's process-wide form): either way a block that ends gives the settings back.
 _open_blocks = 0
+# Per thread, the entries of every offload block open on it, innermost last: blocks must close in
+# the reverse order (saved-tensor hooks are a stack, and each block puts back what it replaced).
+_open_on_thread = threading.local()
 _process_wide = False
 
 
@@ -241,7 +244,9 @@ class offload(contextlib.ContextDecorator):
         except BaseException:
             self._leave(enclosing)
             raise
-        self._entered().append((hooks, enclosing))
+        token = object()
+        self._entered().append((hooks, enclosing, token))
+        _thread_stack().append(token)
         return self
 
     def __exit__(self, *exc_info):
@@ -251,7 +256,14 @@ class offload(contextlib.ContextDecorator):
             # hooks are per thread): nothing of this block is open here.
             raise RuntimeError("spillway.offload: exited without being entered on this thread; a "
                                "block is entered and exited once, on the same thread")
-        hooks, enclosing = entered.pop()
+        if _thread_stack()[-1] is not entered[-1][2]:
+            # Out of order (entered and exited by hand, not by `with`): this block's hooks are
+            # not the innermost, and the settings it would put back are not the ones in force.
+            raise RuntimeError("spillway.offload: exited while a block entered after it is still "
+                               "open; blocks exit in the reverse order they were entered (as "
+                               "`with` statements do): exit the inner one first")
+        hooks, enclosing, _ = entered.pop()
+        _thread_stack().pop()
         try:
             try:
                 _C.forward_end()
@@ -261,7 +273,7 @@ class offload(contextlib.ContextDecorator):
             self._leave(enclosing)
         return False
 
-    def _entered(self):
+    def _entered(self):  # this block's open entries on this thread
         if not hasattr(self._local, "entries"):
             self._local.entries = []
         return self._local.entries
@@ -274,6 +286,12 @@ class offload(contextlib.ContextDecorator):
             _C.configure_offload(enclosing["policy"], enclosing["budget_bytes"],
                                  enclosing["budget_fraction"], enclosing["min_bytes"],
                                  enclosing["prefetch_bytes"])
+
+
+def _thread_stack():
+    if not hasattr(_open_on_thread, "entries"):
+        _open_on_thread.entries = []
+    return _open_on_thread.entries
 
 
 def memory_stats(device=None):

@@ -149,3 +149,18 @@ def test_a_block_exited_without_being_entered_here_says_so():
     block.__exit__(None, None, None)  # the entering thread closes it: nothing is left open
     with pytest.raises(RuntimeError, match="exited without being entered"):
         block.__exit__(None, None, None)
+
+
+def test_blocks_exited_out_of_order_are_refused_and_change_nothing():
+    """Helper review: blocks entered and exited by hand, out of order, put back the wrong
+    settings (and popped each other's saved-tensor hooks)."""
+    outer = spillway.offload("eager", min_bytes=0)
+    inner = spillway.offload("off", min_bytes=0)
+    outer.__enter__()
+    inner.__enter__()
+    with pytest.raises(RuntimeError, match="exit the inner one first"):
+        outer.__exit__(None, None, None)
+    assert spillway._C.offload_config()["policy"] == "off"  # still the inner block's
+    inner.__exit__(None, None, None)
+    assert spillway._C.offload_config()["policy"] == "eager"  # the outer block's, back
+    outer.__exit__(None, None, None)
