@@ -119,11 +119,11 @@ TEST_F(CachingAllocatorTest, AMaxSplitSizeUnder20MiBGivesRequestsBelowItTheirOwn
   AllocatorConfig config;
   config.max_split_size = 6 * kMiB;
   Reset(config, 64 * kMiB);
-  std::vector<void*> held;
-  for (int i = 0; i < 3; ++i) held.push_back(Alloc(3 * kMiB / 2));
-  EXPECT_EQ(Stat("reserved_bytes.all.current"), static_cast<int64_t>(3 * 2 * kMiB));
+  std::vector<void*> held(3);
+  for (void*& p : held) p = Alloc(3 * kMiB / 2);
+  EXPECT_EQ(Stat("reserved_bytes.all.current"), static_cast<int64_t>(6 * kMiB));  // 2 MiB each
   held.push_back(Alloc(4 * kMiB));
-  EXPECT_EQ(Stat("reserved_bytes.all.current"), static_cast<int64_t>(3 * 2 * kMiB + 4 * kMiB));
+  EXPECT_EQ(Stat("reserved_bytes.all.current"), static_cast<int64_t>(10 * kMiB));
   for (void* p : held) allocator_->Free(p);
 }
 
