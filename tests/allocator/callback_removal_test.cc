@@ -43,6 +43,18 @@ class Latch {
 
 class CallbackRemovalTest : public SimAllocatorTest {
  protected:
+  // Takes 40 MiB of a fresh 64 MiB device (into `held`), so that 40 MiB more runs the
+  // out-of-memory ladder, and adds an out-of-memory callback that waits in `latch`.
+  uint64_t FillAndAddLatchedCallback(Latch& latch, std::atomic<bool>& returned, void*& held) {
+    Reset(AllocatorConfig{}, 64 * kMiB);
+    held = Alloc(40 * kMiB);
+    return allocator_->AddFreeMemoryCallback([&latch, &returned](int, size_t) -> size_t {
+      latch.Enter();
+      returned = true;
+      return 0;
+    });
+  }
+
   // Runs `remove` on another thread while a callback is inside `latch`: the removal must not
   // return before the callback has. Then lets the callback go.
   template <typename Remove>
@@ -78,15 +90,10 @@ TEST_F(CallbackRemovalTest, ClearingThePressureHandlerWaitsForItsCall) {
 }
 
 TEST_F(CallbackRemovalTest, RemovingAFreeMemoryCallbackWaitsForItsCall) {
-  Reset(AllocatorConfig{}, 64 * kMiB);
-  void* held = Alloc(40 * kMiB);
   Latch latch;
   std::atomic<bool> returned{false};
-  const uint64_t id = allocator_->AddFreeMemoryCallback([&](int, size_t) -> size_t {
-    latch.Enter();
-    returned = true;
-    return 0;
-  });
+  void* held = nullptr;
+  const uint64_t id = FillAndAddLatchedCallback(latch, returned, held);
   std::thread allocating([&] { EXPECT_THROW(Alloc(40 * kMiB), OutOfMemoryError); });
   ExpectRemovalWaitsForTheCall(latch, returned, [&] { allocator_->RemoveFreeMemoryCallback(id); });
   allocating.join();
@@ -97,15 +104,10 @@ TEST_F(CallbackRemovalTest, RemovingAFreeMemoryCallbackWaitsForItsCall) {
 // callback) still waits for the removed callback's call on another thread: being inside a call
 // exempts only calls of the slot being removed, on the removing thread.
 TEST_F(CallbackRemovalTest, ARemovalInsideAnotherCallbackWaitsForTheRemovedOnesCall) {
-  Reset(AllocatorConfig{}, 64 * kMiB);
-  void* held = Alloc(40 * kMiB);
   Latch latch;
   std::atomic<bool> returned{false};
-  const uint64_t id = allocator_->AddFreeMemoryCallback([&](int, size_t) -> size_t {
-    latch.Enter();
-    returned = true;
-    return 0;
-  });
+  void* held = nullptr;
+  const uint64_t id = FillAndAddLatchedCallback(latch, returned, held);
   std::thread out_of_memory([&] { EXPECT_THROW(Alloc(40 * kMiB), OutOfMemoryError); });
   latch.AwaitEntered();
   allocator_->SetWatermark(0, 1);  // from now on every allocation runs the handler first
