@@ -56,16 +56,28 @@ OffloadEngine::OffloadEngine(CachingAllocator& allocator, const OffloadConfig& c
   allocator_.SetPressureHandler(
       [this](int device, size_t incoming_bytes) { OnPressure(device, incoming_bytes); });
   allocator_.SetStreamErrorObserver([this](const StreamError& error) { OnStreamError(error); });
-  UpdateWatermarks();
+  try {
+    // A budget fraction on a device that holds memory already asks for the device total, which
+    // may fail (on CUDA the query creates the context): then the allocator must keep nothing of
+    // an engine that never was, its callbacks least of all.
+    UpdateWatermarks();
+  } catch (...) {
+    DetachFromAllocator();
+    throw;
+  }
 }
 
-OffloadEngine::~OffloadEngine() {
+void OffloadEngine::DetachFromAllocator() {
   allocator_.RemoveFreeMemoryCallback(oom_callback_id_);
   allocator_.SetPressureHandler({});
   allocator_.SetStreamErrorObserver({});
   for (int d = 0; d < allocator_.device_count(); ++d) {
     allocator_.SetWatermark(d, std::numeric_limits<size_t>::max());
   }
+}
+
+OffloadEngine::~OffloadEngine() {
+  DetachFromAllocator();
   EngineLock lock(mutex_);
   try {
     Synchronize();

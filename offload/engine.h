@@ -269,6 +269,8 @@ class OffloadEngine {
   void SpillToBudget(int device, size_t incoming_bytes);
   size_t AllocatedBytes(int device) const;
   void UpdateWatermarks();
+  // Removes the engine's callbacks from the allocator and lifts its watermarks.
+  void DetachFromAllocator();
   void OnPressure(int device, size_t incoming_bytes);
   EventHandle TakeEvent(DeviceContext& dc);
 

@@ -2,6 +2,8 @@
 // at the call it belongs to, corrupt nothing, leak nothing, and leave the engine serving every
 // other entry. Streams are held with gates where the order of a copy and a check would otherwise
 // be a race, so every outcome here is deterministic.
+#include <atomic>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -338,6 +340,41 @@ TEST_F(OffloadFaultInjection, OffloadDropWhilePrefetchingKeepsTheCopyOrdered) {
 
   b.reset();
   DropAllAndExpectNoLeaks({idb});
+}
+
+// A simulated device whose mem_info fails while `fail_mem_info` is set.
+class FailingMemInfoBackend : public SimBackend {
+ public:
+  using SimBackend::SimBackend;
+  MemInfo mem_info(int device) override {
+    if (fail_mem_info) throw BackendError("mem_info", "injected failure");
+    return SimBackend::mem_info(device);
+  }
+  std::atomic<bool> fail_mem_info{false};
+};
+
+class OffloadEngineConstruction : public OffloadEngineTest {
+ protected:
+  std::shared_ptr<SimBackend> NewBackend(const SimBackend::Options& options) override {
+    failing_ = std::make_shared<FailingMemInfoBackend>(options);
+    return failing_;
+  }
+  std::shared_ptr<FailingMemInfoBackend> failing_;
+};
+
+// The budget fraction of `auto` on a device that already holds memory asks for the device total
+// as the engine is made. When that fails, the construction fails and the allocator keeps none of
+// the engine's callbacks: the next out-of-memory ladder called into the freed engine (a use after
+// free, which the ASan run of this suite reports).
+TEST_F(OffloadEngineConstruction, AFailedConstructionLeavesNoCallbackInTheAllocator) {
+  engine_.reset();
+  void* held = allocator_->Malloc(4 * kMiB, 0, compute_);
+  failing_->fail_mem_info = true;
+  EXPECT_THROW(OffloadEngine(*allocator_, OffloadConfig{}), BackendError);
+  failing_->fail_mem_info = false;
+  // Room for it only if something gave memory back: the ladder asks every registered holder.
+  EXPECT_THROW(allocator_->Malloc(250 * kMiB, 0, compute_), OutOfMemoryError);
+  allocator_->Free(held);
 }
 
 }  // namespace
