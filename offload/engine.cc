@@ -223,6 +223,8 @@ void OffloadEngine::MarkReleased(const void* key, const std::string& why) {
   if (it == entries_.end()) return;
   Entry& e = *it->second;
   DiscardCopies(e);
+  // Never reloaded now: its bytes must not hold the prefetch window against older entries.
+  WindowRemove(e);
   e.state = Residency::kFailed;
   e.failure = why;
 }

@@ -441,6 +441,23 @@ TEST_F(OffloadPolicyTest, OffloadPrefetchWindowFollowsSavesDropsAndSettings) {
   }
 }
 
+// A storage released by force (release()) is never reloaded: its bytes leave the prefetch window,
+// which takes in the next older entry (they stayed counted, and pushed it out to be spilled).
+TEST_F(OffloadPolicyTest, OffloadAReleasedEntryLeavesThePrefetchWindow) {
+  OffloadConfig config = Policy(OffloadPolicy::kOff);
+  config.min_bytes = kMiB;
+  config.prefetch_bytes = 8 * kMiB;
+  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  std::vector<std::shared_ptr<TestStorage>> saved;
+  for (uint32_t i = 0; i < 3; ++i) {
+    saved.push_back(NewStorage(4 * kMiB, i));
+    Save(saved.back());
+  }
+  ASSERT_EQ(engine_->window_oldest_for_testing(0), saved[1].get());
+  engine_->MarkReleased(saved[2].get(), "released by the test");
+  EXPECT_EQ(engine_->window_oldest_for_testing(0), saved[0].get());
+}
+
 // Two graphs saved one after the other (F0, F1, then B0): an unpack of the older one prefetches
 // its own saves, never the newer graph's, which would sit on the device until B1 (or forever,
 // if that graph is dropped). (The regression this session fixed was in the hooks, which started
