@@ -152,6 +152,10 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
     ++stats_.num_entries;
   }
   Entry& e = *it->second;
+  // A spill waits for the stream of the latest save: the program wrote the storage there last
+  // (the stream of an earlier save, whose graph may be gone, knows nothing of that write), and a
+  // race-free program ordered that stream after every earlier write.
+  e.producer = producer;
   // Each save follows the block it was saved in: a storage saved in an "off" block (say, nested in
   // an "eager" one) stays on the device after that block ends, too.
   if (config_.policy == OffloadPolicy::kOff) e.saved_under_off = true;

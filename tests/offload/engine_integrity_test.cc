@@ -112,6 +112,35 @@ TEST_F(OffloadIntegrity, DroppingTheConsumerWaitIsCaught) {
   }
 }
 
+// A storage saved again on another stream, after a write there: the spill must wait for that
+// stream's work, not only for the stream of the first save (whose graph is gone by then), or it
+// copies out the bytes from before the write.
+TEST_F(OffloadIntegrity, ASpillWaitsForTheStreamOfTheLatestSave) {
+  accesses_follow_streams_ = true;  // as on a GPU: only stream waits order the copies
+  Make(Policy(OffloadPolicy::kEager), 256 * kMiB, std::chrono::microseconds{0});
+  auto s = NewStorage(kMiB, 1);
+  const KeeperId first = Save(s);
+  const StreamRef side = backend_->create_stream(0);
+  const std::vector<uint8_t> rewritten = Pattern(kMiB, 2);
+  auto gate = backend_->hold_stream(0, side.handle);
+  backend_->memcpy_async(0, s->data(), rewritten.data(), kMiB, CopyKind::kHostToDevice,
+                         side.handle);  // an in-place write on `side`, queued behind the gate
+  const auto second = engine_->AddKeeper(
+      s.get(), [&] { return s; }, FloatView(kMiB), side);
+  ASSERT_TRUE(second.has_value());
+  engine_->RemoveKeeper(first);  // the first graph is freed without backward
+  s->holders = 0;
+  engine_->ForwardEnd();  // eager: the spill is issued now
+  // Unordered, the copy out runs within microseconds, before the held write: give it that
+  // chance. Ordered after the write, it cannot run yet, and the wait just runs out.
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  gate->Open();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(s), Residency::kSpilled);
+  EXPECT_EQ(ReadOn(compute_, engine_->Acquire(*second, compute_), kMiB), rewritten);
+  engine_->RemoveKeeper(*second);
+}
+
 // A prefetch dropped while its copy is queued (the storage died before backward read it): its
 // block goes back to the allocator and the next allocation may get it. On the simulated device
 // the program's CPU kernels write from the host thread, which no stream wait orders: the drop
