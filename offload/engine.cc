@@ -529,6 +529,8 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
 
 void OffloadEngine::TrimHostMemory() {
   EngineLock lock(mutex_);
+  // Reloads that finished while nobody looked give their host copies back first.
+  for (auto& [seq, entry] : by_seq_) Refresh(*entry);
   for (const auto& dc : devices_) {
     if (dc != nullptr) PoolCall(dc->device, [&] { dc->pool.Trim(); });
   }

@@ -134,7 +134,11 @@ size_t OffloadEngine::SpillOldest(int device, size_t target_allocated, bool incl
     // ones a policy would keep included. Rare enough to visit every entry.
     for (auto& [seq, entry] : by_seq_) {
       if (AllocatedBytes(device) <= target_allocated) break;
-      if (entry->device == device && Eligible(*entry)) spill(*entry);
+      if (entry->device != device) continue;
+      // A reload that finished while nobody looked (its saves outlive backward: retain_graph)
+      // is resident, and may go again.
+      Refresh(*entry);
+      if (Eligible(*entry)) spill(*entry);
     }
     return pass.released;
   }

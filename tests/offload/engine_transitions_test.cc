@@ -136,6 +136,25 @@ TEST_F(OffloadTransitions, TrimHostMemoryGivesBackChunksNoSpillUses) {
   EXPECT_EQ(EngineStat("host_reserved_bytes"), 0);
 }
 
+// A reload that finished while nobody looked (its saves outlive backward, as under retain_graph:
+// no later call of the entry's) is a resident entry: the out-of-memory rescue may spill it again,
+// and trimming the host pool sees its host copy gone. It stayed "reloading" for both.
+TEST_F(OffloadTransitions, AReloadThatFinishedUnseenIsResidentToTheRescueAndTheTrim) {
+  auto s = NewStorage(8 * kMiB, 4);
+  const KeeperId id = Save(s);
+  s->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  engine_->Acquire(id, compute_);  // backward reads it; the reload's copy is issued
+  backend_->synchronize_stream(0, engine_->h2d_stream_for_testing(0).handle);  // and done
+  engine_->TrimHostMemory();
+  EXPECT_EQ(EngineStat("host_reserved_bytes"), 0) << "the finished reload kept its host copy";
+  EXPECT_GT(engine_->ReleaseMemory(0, 8 * kMiB), 0u);
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(s), Residency::kSpilled);
+  EXPECT_EQ(ReadOn(compute_, engine_->Acquire(id, compute_), 8 * kMiB), Pattern(8 * kMiB, 4));
+}
+
 TEST_F(OffloadTransitions, DropWhileReloadingLeaksNothing) {
   Make(Policy(OffloadPolicy::kEager), size_t{256} << 20, std::chrono::microseconds{3000});
   auto s = NewStorage(4 * kMiB, 3);
