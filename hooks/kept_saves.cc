@@ -1,6 +1,7 @@
 #include "hooks/kept_saves.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "hooks/runtime.h"
 
@@ -23,7 +24,40 @@ bool Within(const void* data, const AllocationInfo& block) {
   return data != nullptr && at >= start && at < start + block.size;
 }
 
+// The tensors with storages of their own that hold `tensor`'s memory: itself, or a sparse
+// tensor's components (storage() refuses sparse tensors; their indices and values are strided).
+std::vector<at::Tensor> PartsWithStorage(const at::Tensor& tensor) {
+  switch (tensor.layout()) {
+    case at::kSparse:
+      return {tensor._indices(), tensor._values()};
+    case at::kSparseCsr:
+    case at::kSparseBsr:
+      return {tensor.crow_indices(), tensor.col_indices(), tensor.values()};
+    case at::kSparseCsc:
+    case at::kSparseBsc:
+      return {tensor.ccol_indices(), tensor.row_indices(), tensor.values()};
+    default:
+      return {tensor};
+  }
+}
+
 }  // namespace
+
+KeptRegistration::KeptRegistration(const at::Tensor& tensor) {
+  if (!tensor.defined()) return;
+  try {
+    for (const at::Tensor& part : PartsWithStorage(tensor)) {
+      if (const uint64_t token = KeptSaves::Get().Add(part); token != 0) tokens_.push_back(token);
+    }
+  } catch (...) {
+    for (const uint64_t token : tokens_) KeptSaves::Get().Remove(token);
+    throw;
+  }
+}
+
+KeptRegistration::~KeptRegistration() {
+  for (const uint64_t token : tokens_) KeptSaves::Get().Remove(token);
+}
 
 KeptSaves& KeptSaves::Get() {
   // Leaked: handles may go away during interpreter shutdown, after static destructors ran.

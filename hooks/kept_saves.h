@@ -1,6 +1,6 @@
-// Saves the hooks keep as they are (a tensor subclass, a nested or quantized tensor, a second
-// storage over Spillway's memory such as torch.from_numpy(t.numpy()) or DLPack): the engine does
-// not track them, yet backward reads the device memory they hold. release(), keepers(),
+// Saves the hooks keep as they are (a tensor subclass, a nested, quantized or sparse tensor, a
+// second storage over Spillway's memory such as torch.from_numpy(t.numpy()) or DLPack): the engine
+// does not track them, yet backward reads the device memory they hold. release(), keepers(),
 // residency() and snapshots see them here. Each is registered by its own storage, and the
 // Spillway block its data lies in is looked up when asked: a storage resized (resize_, an out=
 // op, FSDP's resize to 0 and back) moves to another block, and its save with it; an alias's
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "allocator/device_allocator.h"
 #include "offload/engine.h"
 
@@ -51,19 +52,18 @@ class KeptSaves {
   absl::flat_hash_map<uint64_t, KeptSave> saves_;
 };
 
-// A registration that lasts as long as the object: what a kept save holds.
+// A registration that lasts as long as the object: what a kept save holds. A sparse save is
+// registered by each of its components (indices and values): they hold its memory.
 class KeptRegistration {
  public:
   KeptRegistration() = default;
-  explicit KeptRegistration(const at::Tensor& tensor) : token_(KeptSaves::Get().Add(tensor)) {}
-  ~KeptRegistration() {
-    if (token_ != 0) KeptSaves::Get().Remove(token_);
-  }
+  explicit KeptRegistration(const at::Tensor& tensor);
+  ~KeptRegistration();
   KeptRegistration(const KeptRegistration&) = delete;
   KeptRegistration& operator=(const KeptRegistration&) = delete;
 
  private:
-  uint64_t token_ = 0;
+  absl::InlinedVector<uint64_t, 1> tokens_;
 };
 
 // How many of `kept` are saves on `storage` itself (each holds it once, through its tensor).

@@ -124,8 +124,8 @@ py::dict Release(const at::Tensor& tensor, bool force) {
   if (!kept.empty() && !force) {
     throw InvalidArgumentError(
         "spillway.release: " + std::to_string(kept.size()) +
-        " tensor(s) saved for backward and kept as they are (tensor subclasses, nested or "
-        "quantized tensors, a second storage over this memory such as "
+        " tensor(s) saved for backward and kept as they are (tensor subclasses, nested, "
+        "quantized or sparse tensors, a second storage over this memory such as "
         "torch.from_numpy(t.numpy())) still read this storage's memory; releasing it would "
         "corrupt the backward pass. Pass force=True if they will never be read.");
   }

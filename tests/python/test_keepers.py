@@ -229,6 +229,28 @@ def test_nested_tensor_saves_keep_their_memory_from_release():
     assert torch.equal(lin.weight.grad, expected)
 
 
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_sparse_saves_keep_their_memory_from_release(layout):
+    """Hooks review: a sparse save (kept as it is) registered nothing, since storage() refuses
+    sparse tensors: release() of its values freed them, and backward then crashed the process."""
+    torch.manual_seed(0)
+    dense = torch.randn(64, 64) * (torch.rand(64, 64) < 0.2)
+    sp = dense.to_sparse() if layout == "coo" else dense.to_sparse_csr()
+    values = sp._values() if layout == "coo" else sp.values()
+    w = torch.randn(64, 8, requires_grad=True)
+    (sp @ w).sum().backward()  # the gradient without offload
+    expected = w.grad.clone()
+    w.grad = None
+    with spillway.offload("eager", min_bytes=0):
+        loss = (sp @ w).sum()
+    with pytest.raises(ValueError, match="kept as they are"):
+        spillway.release(values)
+    assert [k for k in spillway.keepers(values) if k["kind"] == "saved"] == [
+        {"kind": "saved", "shape": tuple(values.shape), "stride": (1,), "offset": 0}]
+    loss.backward()
+    assert torch.equal(w.grad, expected)
+
+
 def test_the_release_log_is_not_the_callers_to_change():
     """Hooks review: release() returned the dict its log keeps, and snapshots handed out the log
     itself: a caller's change corrupted every later snapshot (report then refused the file)."""
