@@ -228,7 +228,10 @@ class offload(contextlib.ContextDecorator):
         global _open_blocks
         _require_installed("offload")
         defaults = _C.offload_defaults()
-        enclosing = _C.offload_config() if (_open_blocks > 0 or _process_wide) else None
+        previous = _C.offload_config()
+        # What this block's end puts back: the enclosing settings, if any (the outermost block's
+        # stay in force after it, for backward).
+        enclosing = previous if (_open_blocks > 0 or _process_wide) else None
 
         def given(value, key):
             return value if value is not None else defaults[key]
@@ -242,7 +245,7 @@ class offload(contextlib.ContextDecorator):
         try:
             hooks.__enter__()
         except BaseException:
-            self._leave(enclosing)
+            self._leave(previous)  # a block that never began leaves nothing of its settings
             raise
         token = object()
         self._entered().append((hooks, enclosing, token))

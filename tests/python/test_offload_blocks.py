@@ -164,3 +164,21 @@ def test_blocks_exited_out_of_order_are_refused_and_change_nothing():
     inner.__exit__(None, None, None)
     assert spillway._C.offload_config()["policy"] == "eager"  # the outer block's, back
     outer.__exit__(None, None, None)
+
+
+def test_a_block_that_fails_to_begin_leaves_the_settings_as_they_were(monkeypatch):
+    """Hooks review: a block whose saved-tensor hooks could not be pushed (torch refuses them
+    inside disable_saved_tensors_hooks) left its own settings in force."""
+    class Refused:
+        def __init__(self, pack, unpack):
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("saved tensors hooks are disabled here")
+
+    before = spillway._C.offload_config()
+    monkeypatch.setattr(torch.autograd.graph, "saved_tensors_hooks", Refused)
+    with pytest.raises(RuntimeError, match="disabled here"):
+        with spillway.offload("eager" if before["policy"] != "eager" else "off", min_bytes=7):
+            pass
+    assert spillway._C.offload_config() == before
