@@ -262,6 +262,9 @@ void CachingAllocator::RecordHistory(bool enabled, size_t max_entries, ContextGa
   const size_t entries = max_entries == 0 ? config_.history_entries : max_entries;
   for (const auto& device : devices_) device->RecordHistory(enabled, entries);
   recording_.store(enabled, std::memory_order_relaxed);
+  // Stopping also forgets what was recorded, as PyTorch's allocator does: a snapshot after the
+  // stop shows no history, and the next recording starts from nothing.
+  if (!enabled) ClearHistory();
 }
 
 void CachingAllocator::ClearHistory() {

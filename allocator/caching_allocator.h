@@ -77,6 +77,7 @@ class CachingAllocator {
 
   // History. `max_entries` 0 means the configured `history_entries`. The gatherer (may be
   // empty) runs outside every allocator lock at each allocation and free while recording is on.
+  // Stopping (enabled false) clears the history, as PyTorch's allocator does.
   void RecordHistory(bool enabled, size_t max_entries = 0, ContextGatherer gatherer = {});
   bool history_enabled() const { return recording_.load(std::memory_order_relaxed); }
   // Drops the recorded entries of every device; recording continues if it was on.

@@ -386,7 +386,8 @@ def residency(tensor):
 
 def record_history(enabled=True, max_entries=None, stacks="python"):
     """Records allocator events, like torch.cuda.memory._record_memory_history. `enabled` is a
-    bool, or as torch 2.x spells it "all" (record) or None (stop). max_entries bounds the history
+    bool, or as torch 2.x spells it "all" (record) or None (stop; as in torch, stopping also
+    clears the history: take the snapshot first). max_entries bounds the history
     ring (oldest events go first); None: the history_entries key (default 100000).
     stacks="python" attaches the allocating Python frames (on threads that hold the GIL); "none"
     records none."""

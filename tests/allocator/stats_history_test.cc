@@ -196,6 +196,21 @@ TEST_F(StatsHistoryTest, HistoryOffRecordsNothingAndSkipsTheGatherer) {
   EXPECT_EQ(gathered, 0);
 }
 
+// As PyTorch's allocator does (the `enabled=None` of _record_memory_history): a stop forgets the
+// history, so a snapshot after it shows none, and the next recording starts from nothing.
+TEST_F(StatsHistoryTest, StoppingTheHistoryClearsIt) {
+  allocator_->RecordHistory(true, 100);
+  allocator_->Free(Alloc(4096));
+  ASSERT_FALSE(allocator_->TakeSnapshot().device_traces.at(0).empty());
+  allocator_->RecordHistory(false);
+  EXPECT_TRUE(allocator_->TakeSnapshot().device_traces.at(0).empty());
+  allocator_->RecordHistory(true, 100);
+  allocator_->Free(Alloc(4096));
+  const auto trace = allocator_->TakeSnapshot().device_traces.at(0);
+  ASSERT_EQ(trace.size(), 3u);  // the block from the cache: no segment event this time
+  EXPECT_EQ(trace[0].action, TraceAction::kAlloc);
+}
+
 // Segments and trace entries name streams by id; the snapshot also maps each id to the stream's
 // handle (what PyTorch's snapshots show), and keeps the mapping after the segments are gone,
 // since trace entries still name those streams.
