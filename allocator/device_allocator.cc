@@ -8,6 +8,7 @@
 #include "absl/strings/str_format.h"
 #include "allocator/errors.h"
 #include "allocator/format.h"
+#include "allocator/speculative.h"
 
 namespace spillway {
 
@@ -139,6 +140,14 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
   if (block == kNoBlock) {
     GarbageCollect(segment_size);
     block = AllocSegment(kind, stream, rounded);
+  }
+  // A guess takes only what is there: no ladder, and no out-of-memory error on record.
+  if (block == kNoBlock && SpeculativeAllocations::Active()) {
+    throw OutOfMemoryError(
+        absl::StrFormat("Spillway: a speculative allocation of %s on device %d found no room "
+                        "without freeing memory",
+                        FormatBytes(size), device_),
+        size, device_);
   }
   // The out-of-memory ladder, cheapest step first: what the allocator can do on its own, then
   // what the registered holders (the offload engine, whose spills cost copies) can give back.

@@ -1,6 +1,7 @@
 #include "hooks/cuda_allocator.h"
 
 #include "allocator/errors.h"
+#include "allocator/speculative.h"
 
 #if defined(SPILLWAY_TORCH_CUDA_ALLOCATOR)
 
@@ -350,7 +351,8 @@ class SpillwayCudaAllocator final : public Base {
     try {
       return fn();
     } catch (const OutOfMemoryError& e) {
-      NotifyOom(e);
+      // A speculative allocation's miss (a prefetch) is no out-of-memory error to announce.
+      if (!SpeculativeAllocations::Active()) NotifyOom(e);
       C10_THROW_ERROR(OutOfMemoryError, e.what());
     } catch (const Error& e) {
       TORCH_CHECK(false, "Spillway: ", e.what());

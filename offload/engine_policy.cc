@@ -9,6 +9,7 @@
 #include "allocator/errors.h"
 #include "allocator/format.h"
 #include "allocator/history.h"
+#include "allocator/speculative.h"
 #include "offload/engine.h"
 #include "offload/engine_internal.h"
 
@@ -39,6 +40,9 @@ void OffloadEngine::Prefetch(int device, uint64_t before_seq, StreamRef consumer
     if (AllocatedBytes(e.device) + e.nbytes > budget_bytes(e.device)) break;
     try {
       PolicyScope scope(in_policy_);
+      // A guess: it takes free memory only, and a miss is no out-of-memory error (the ladder's
+      // waits and cache releases for it cost more than the prefetch could save).
+      const SpeculativeAllocations speculative;
       Reload(e, consumer);
     } catch (const ProgramStreamError&) {
       throw;  // the program's own failed copy, not the prefetch's: never swallowed

@@ -4,6 +4,7 @@
 // path with held streams and checks that the right entries fail (their Acquire says so rather
 // than return bytes that never arrived) and no other entry does.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -115,11 +116,33 @@ TEST_F(OffloadCopyFailure, OffloadAReloadThatFindsAPrefetchsFailureFailsThePrefe
   DropAllAndExpectNoLeaks({ida, idb, idc});
 }
 
-// The entry being acquired has its copy fail while its own Acquire prefetches an older entry:
-// that prefetch's allocation frees a cached segment (a free waits for the device, and the
-// failing copy runs), and its copy call on the same stream hears of the failure. Acquire must say
-// the bytes are lost rather than return the block the failed copy never wrote.
-TEST_F(OffloadCopyFailure, OffloadAnAcquireWhosePrefetchFindsItsCopyFailedSaysSo) {
+// A simulated device on which a host-to-device copy is enqueued only after the stream's earlier
+// work ran (armed by `drain_before_uploads`): a failure among that work is then heard by the copy
+// call, as on the GPU once the failing copy has run, deterministically.
+class DrainBeforeUploadsBackend : public SimBackend {
+ public:
+  using SimBackend::SimBackend;
+  void memcpy_async(int device, void* dst, const void* src, size_t bytes, CopyKind kind,
+                    StreamHandle stream) override {
+    if (kind == CopyKind::kHostToDevice && drain_before_uploads) synchronize_stream(device, stream);
+    SimBackend::memcpy_async(device, dst, src, bytes, kind, stream);
+  }
+  std::atomic<bool> drain_before_uploads{false};
+};
+
+class OffloadPrefetchHearsAFailure : public OffloadCopyFailure {
+ protected:
+  std::shared_ptr<SimBackend> NewBackend(const SimBackend::Options& options) override {
+    draining_ = std::make_shared<DrainBeforeUploadsBackend>(options);
+    return draining_;
+  }
+  std::shared_ptr<DrainBeforeUploadsBackend> draining_;
+};
+
+// The entry being acquired has its copy fail while its own Acquire prefetches an older entry, and
+// the prefetch's copy call on the same stream hears of the failure. Acquire must say the bytes
+// are lost rather than return the block the failed copy never wrote.
+TEST_F(OffloadPrefetchHearsAFailure, OffloadAnAcquireWhosePrefetchFindsItsCopyFailedSaysSo) {
   OffloadConfig config = Policy(OffloadPolicy::kEager);
   config.budget_bytes = 64 * kMiB;  // the prefetch is not held back by a budget
   Make(config, 64 * kMiB, std::chrono::microseconds{0});
@@ -132,19 +155,18 @@ TEST_F(OffloadCopyFailure, OffloadAnAcquireWhosePrefetchFindsItsCopyFailedSaysSo
   engine_->Synchronize();
   ASSERT_EQ(StateOf(a), Residency::kSpilled);
   ASSERT_EQ(StateOf(b), Residency::kSpilled);
-  // Cached: the two 12 MiB segments the spills freed. The program takes one back; a 10 MiB
-  // segment is left cached and free; 4 MiB of the device stay unreserved. b's reload takes the
-  // other 12 MiB segment; a's prefetch then needs the cached 10 MiB segment released.
+  // Cached: the two 12 MiB segments the spills freed. The program takes one back; b's reload
+  // takes the other; a's prefetch gets a segment of its own in the 16 MiB left unreserved.
   void* program = allocator_->Malloc(12 * kMiB, 0, compute_);
   void* for_b = allocator_->Malloc(12 * kMiB, 0, compute_);
-  void* cached = allocator_->Malloc(10 * kMiB, 0, compute_);
-  void* rest = allocator_->Malloc(26 * kMiB, 0, compute_);
-  allocator_->Free(cached);
+  void* rest = allocator_->Malloc(24 * kMiB, 0, compute_);
   allocator_->Free(for_b);
-  ASSERT_EQ(AllocStat("reserved_bytes.all.current"), static_cast<int64_t>(60 * kMiB));
+  ASSERT_EQ(AllocStat("reserved_bytes.all.current"), static_cast<int64_t>(48 * kMiB));
 
+  draining_->drain_before_uploads = true;
   ExpectLostAt([&] { WithNextCopyFailing([&] { engine_->Acquire(idb, compute_); }); },
                /*times=*/1);
+  draining_->drain_before_uploads = false;
   EXPECT_EQ(StateOf(b), Residency::kFailed);
   EXPECT_TRUE(engine_->Describe(a.get())->prefetched) << "the prefetch did not run as arranged";
   EXPECT_EQ(AcquireAndRead(ida, 12 * kMiB), Pattern(12 * kMiB, 81));
