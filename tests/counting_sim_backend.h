@@ -1,11 +1,14 @@
-// A simulated device that counts mem_info calls per device, for the allocator and engine tests.
+// Simulated devices whose mem_info answers differently, for the allocator and engine tests: one
+// counts the calls per device, one fails them on demand.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <map>
 #include <memory>
 #include <mutex>
 
+#include "allocator/errors.h"
 #include "allocator/sim_backend.h"
 
 namespace spillway::testing {
@@ -31,6 +34,18 @@ class CountingSimBackend : public SimBackend {
 
  private:
   std::mutex mutex_;
+};
+
+// A simulated device whose mem_info fails while `fail_mem_info` is set (on CUDA that query creates
+// the device's context, and may fail).
+class FailingMemInfoBackend : public SimBackend {
+ public:
+  using SimBackend::SimBackend;
+  MemInfo mem_info(int device) override {
+    if (fail_mem_info) throw BackendError("mem_info", "injected failure");
+    return SimBackend::mem_info(device);
+  }
+  std::atomic<bool> fail_mem_info{false};
 };
 
 }  // namespace spillway::testing

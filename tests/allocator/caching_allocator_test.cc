@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "tests/allocator/sim_fixture.h"
+#include "tests/counting_sim_backend.h"
 
 namespace spillway::testing {
 namespace {
@@ -322,17 +323,6 @@ TEST_F(CachingAllocatorTest, LookupReportsRequestedAndRoundedSize) {
   allocator_->Free(p);
   EXPECT_FALSE(allocator_->Lookup(p).has_value());
 }
-
-// A simulated device whose mem_info fails while `fail_mem_info` is set.
-class FailingMemInfoBackend : public SimBackend {
- public:
-  using SimBackend::SimBackend;
-  MemInfo mem_info(int device) override {
-    if (fail_mem_info) throw BackendError("mem_info", "injected failure");
-    return SimBackend::mem_info(device);
-  }
-  std::atomic<bool> fail_mem_info{false};
-};
 
 // A fraction needs the device total; when asking for it fails, nothing changes: not the fraction
 // reported, not the limit allocations meet.

@@ -9,6 +9,7 @@
 
 #include "allocator/errors.h"
 #include "allocator/format.h"
+#include "tests/counting_sim_backend.h"
 #include "tests/offload/fault_fixture.h"
 
 namespace spillway::testing {
@@ -341,17 +342,6 @@ TEST_F(OffloadFaultInjection, OffloadDropWhilePrefetchingKeepsTheCopyOrdered) {
   b.reset();
   DropAllAndExpectNoLeaks({idb});
 }
-
-// A simulated device whose mem_info fails while `fail_mem_info` is set.
-class FailingMemInfoBackend : public SimBackend {
- public:
-  using SimBackend::SimBackend;
-  MemInfo mem_info(int device) override {
-    if (fail_mem_info) throw BackendError("mem_info", "injected failure");
-    return SimBackend::mem_info(device);
-  }
-  std::atomic<bool> fail_mem_info{false};
-};
 
 class OffloadEngineConstruction : public OffloadEngineTest {
  protected:
