@@ -4,8 +4,8 @@
 // path with held streams and checks that the right entries fail (their Acquire says so rather
 // than return bytes that never arrived) and no other entry does.
 #include <algorithm>
-#include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -116,18 +116,17 @@ TEST_F(OffloadCopyFailure, OffloadAReloadThatFindsAPrefetchsFailureFailsThePrefe
   DropAllAndExpectNoLeaks({ida, idb, idc});
 }
 
-// A simulated device on which a host-to-device copy is enqueued only after the stream's earlier
-// work ran (armed by `drain_before_uploads`): a failure among that work is then heard by the copy
-// call, as on the GPU once the failing copy has run, deterministically.
+// A simulated device that runs `before_upload` (while set) before it enqueues each host-to-device
+// copy: a test orders a copy's failure and the call that hears of it there, deterministically.
 class DrainBeforeUploadsBackend : public SimBackend {
  public:
   using SimBackend::SimBackend;
   void memcpy_async(int device, void* dst, const void* src, size_t bytes, CopyKind kind,
                     StreamHandle stream) override {
-    if (kind == CopyKind::kHostToDevice && drain_before_uploads) synchronize_stream(device, stream);
+    if (kind == CopyKind::kHostToDevice && before_upload) before_upload(device, stream);
     SimBackend::memcpy_async(device, dst, src, bytes, kind, stream);
   }
-  std::atomic<bool> drain_before_uploads{false};
+  std::function<void(int, StreamHandle)> before_upload;
 };
 
 class OffloadPrefetchHearsAFailure : public OffloadCopyFailure {
@@ -163,10 +162,22 @@ TEST_F(OffloadPrefetchHearsAFailure, OffloadAnAcquireWhosePrefetchFindsItsCopyFa
   allocator_->Free(for_b);
   ASSERT_EQ(AllocStat("reserved_bytes.all.current"), static_cast<int64_t>(48 * kMiB));
 
-  draining_->drain_before_uploads = true;
+  // b's reload is the first upload: held behind the gate, so that nothing (its own event record,
+  // say, which would make the copy again) hears of its failure early. The prefetch's upload is the
+  // second: the failing copy runs first, and this upload hears of it.
+  auto gate = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+  int uploads = 0;
+  draining_->before_upload = [&](int device, StreamHandle stream) {
+    if (++uploads != 2) return;
+    gate->Open();
+    draining_->SimBackend::synchronize_stream(device, stream);
+  };
   ExpectLostAt([&] { WithNextCopyFailing([&] { engine_->Acquire(idb, compute_); }); },
                /*times=*/1);
-  draining_->drain_before_uploads = false;
+  draining_->before_upload = nullptr;
+  gate->Open();
+  // b's, then the prefetch's that heard of the failure, then the prefetch's made again.
+  EXPECT_EQ(uploads, 3) << "the prefetch did not run as arranged";
   EXPECT_EQ(StateOf(b), Residency::kFailed);
   EXPECT_TRUE(engine_->Describe(a.get())->prefetched) << "the prefetch did not run as arranged";
   EXPECT_EQ(AcquireAndRead(ida, 12 * kMiB), Pattern(12 * kMiB, 81));
