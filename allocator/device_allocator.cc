@@ -124,7 +124,7 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
   }
   ProcessEventsLocked();
   const PoolKind kind = SizePolicy::PoolFor(rounded);
-  const size_t segment_size = FullSegmentSize(rounded);
+  const size_t segment_size = policy_.FullSegmentSize(rounded);
 
   BlockId block = FindFree(kind, stream, rounded);
   // Under a watermark (the offload engine's budget), blocks whose spill copies are still reading
@@ -180,8 +180,8 @@ BlockId DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t ro
   // (Not when its one block would be an oversize block for a request below max_split_size: such
   // a block is never split, nor handed to such a request.) Under a watermark, the request's own
   // size comes first when only it stays under the watermark.
-  const size_t full = FullSegmentSize(rounded);
-  const size_t least = LeastSegmentSize(rounded);
+  const size_t full = policy_.FullSegmentSize(rounded);
+  const size_t least = policy_.LeastSegmentSize(rounded);
   const bool least_allowed = least < full;
   const auto reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
   const size_t watermark = watermark_.load(std::memory_order_relaxed);
@@ -191,30 +191,6 @@ BlockId DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t ro
   BlockId block = NewSegment(kind, stream, full);
   if (block == kNoBlock && least_allowed) block = NewSegment(kind, stream, least);
   return block;
-}
-
-size_t DeviceAllocator::FullSegmentSize(size_t rounded) const {
-  const size_t full = SizePolicy::SegmentSize(rounded);
-  // PyTorch's shared 20 MiB segment, for a request below a max_split_size under 20 MiB (code may
-  // set one; the parser may not), leaves a remainder of max_split_size or more: an oversize block
-  // that no request below max_split_size may take, so every such request would reserve 20 MiB.
-  // Then the least segment whose every block some request may take: the request's own size, or
-  // one that is split into the request and a remainder below max_split_size.
-  if (policy_.IsOversize(rounded) || !policy_.IsOversize(full - rounded)) return full;
-  for (size_t size = SizePolicy::SmallestSegmentSize(rounded); size < full; size += kRoundLarge) {
-    if (policy_.AcceptsBlock(size, rounded)) return size;
-    if (policy_.ShouldSplit(PoolKind::kLarge, size, rounded) &&
-        !policy_.IsOversize(size - rounded)) {
-      return size;
-    }
-  }
-  return full;
-}
-
-size_t DeviceAllocator::LeastSegmentSize(size_t rounded) const {
-  const size_t full = FullSegmentSize(rounded);
-  const size_t least = SizePolicy::SmallestSegmentSize(rounded);
-  return least < full && policy_.AcceptsBlock(least, rounded) ? least : full;
 }
 
 BlockId DeviceAllocator::NewSegment(PoolKind kind, StreamRef stream, size_t segment_size) {

@@ -164,12 +164,6 @@ class DeviceAllocator {
   // A new segment for a `rounded`-byte request: PyTorch's size, or the least that holds the
   // request when that does not fit. kNoBlock when neither does.
   BlockId AllocSegment(PoolKind kind, StreamRef stream, size_t rounded);
-  // The segment AllocSegment takes first: PyTorch's size, unless that would leave a remainder that
-  // no request below max_split_size could use.
-  size_t FullSegmentSize(size_t rounded) const;
-  // The least segment AllocSegment may take for the request (PyTorch's size when the least one
-  // would break an oversize rule).
-  size_t LeastSegmentSize(size_t rounded) const;
   bool CouldEverFitLocked(PoolKind kind, StreamRef stream, size_t rounded) const;
   BlockId NewSegment(PoolKind kind, StreamRef stream, size_t segment_size);
   void* UseBlock(BlockId block, size_t rounded, size_t requested, TraceContext context);

@@ -23,7 +23,7 @@ BlockId DeviceAllocator::AskHolders(PoolKind kind, StreamRef stream, size_t roun
   // holders still give memory back: what they free may lie scattered over segments that stay in
   // use, and fit only once more of it is free. The doubling bounds the passes (each one waits for
   // the device) to the logarithm of device memory.
-  size_t ask = LeastSegmentSize(rounded);
+  size_t ask = policy_.LeastSegmentSize(rounded);
   BlockId block = kNoBlock;
   while (block == kNoBlock && !callbacks.empty()) {
     // The holders free through this allocator: the lock must not be held.
@@ -58,7 +58,7 @@ bool DeviceAllocator::CouldEverFit(size_t size, StreamRef stream) const {
 bool DeviceAllocator::CouldEverFitLocked(PoolKind kind, StreamRef stream, size_t rounded) const {
   // A new segment is never smaller than the least one that serves (a 512-byte request needs a
   // 2 MiB small-pool segment), whatever the request's own size.
-  const size_t least = LeastSegmentSize(rounded);
+  const size_t least = policy_.LeastSegmentSize(rounded);
   const size_t limit = Limit();
   if (least <= TotalMemory() && (limit == 0 || least <= limit)) return true;
   // Over a limit (one set after memory was reserved, or one below the least segment), a segment

@@ -50,6 +50,29 @@ size_t SizePolicy::SmallestSegmentSize(size_t rounded) {
   return rounded <= kSmallSize ? kSmallBuffer : RoundUp(rounded, kRoundLarge);
 }
 
+size_t SizePolicy::FullSegmentSize(size_t rounded) const {
+  const size_t full = SegmentSize(rounded);
+  // PyTorch's shared 20 MiB segment, for a request below a max_split_size under 20 MiB (code may
+  // set one; the parser may not), leaves a remainder of max_split_size or more: an oversize block
+  // that no request below max_split_size may take, so every such request would reserve 20 MiB.
+  // Then the least segment whose every block some request may take: the request's own size, or
+  // one that is split into the request and a remainder below max_split_size.
+  if (!max_split_below_large_buffer_ || IsOversize(rounded) || !IsOversize(full - rounded)) {
+    return full;
+  }
+  for (size_t size = SmallestSegmentSize(rounded); size < full; size += kRoundLarge) {
+    if (AcceptsBlock(size, rounded)) return size;
+    if (ShouldSplit(PoolKind::kLarge, size, rounded) && !IsOversize(size - rounded)) return size;
+  }
+  return full;
+}
+
+size_t SizePolicy::LeastSegmentSize(size_t rounded) const {
+  const size_t full = FullSegmentSize(rounded);
+  const size_t least = SmallestSegmentSize(rounded);
+  return least < full && AcceptsBlock(least, rounded) ? least : full;
+}
+
 bool SizePolicy::ShouldSplit(PoolKind pool, size_t block_size, size_t size) const {
   const size_t remaining = block_size - size;
   if (pool == PoolKind::kSmall) return remaining >= kMinBlockSize;

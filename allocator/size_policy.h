@@ -24,7 +24,8 @@ enum class PoolKind : uint8_t { kSmall = 0, kLarge = 1 };
 
 class SizePolicy {
  public:
-  explicit SizePolicy(const AllocatorConfig& config) : config_(config) {}
+  explicit SizePolicy(const AllocatorConfig& config)
+      : config_(config), max_split_below_large_buffer_(config.max_split_size < kLargeBuffer) {}
 
   // Block size for a request of `size` (> 0, <= kMaxRequest) bytes.
   size_t RoundSize(size_t size) const;
@@ -36,6 +37,12 @@ class SizePolicy {
   static size_t SegmentSize(size_t rounded);
   // The least segment that holds the request: what to ask for when SegmentSize does not fit.
   static size_t SmallestSegmentSize(size_t rounded);
+  // The segment to take first for a new request: SegmentSize, unless that would leave a remainder
+  // that no request below max_split_size could use.
+  size_t FullSegmentSize(size_t rounded) const;
+  // The least segment that may serve the request: SmallestSegmentSize, or FullSegmentSize when the
+  // least one would break an oversize rule.
+  size_t LeastSegmentSize(size_t rounded) const;
   // Whether carving `size` bytes out of a free block of `block_size` leaves a remainder worth
   // keeping as its own free block.
   bool ShouldSplit(PoolKind pool, size_t block_size, size_t size) const;
@@ -51,6 +58,9 @@ class SizePolicy {
  private:
   size_t RoundUpPower2Division(size_t size, size_t divisions) const;
   AllocatorConfig config_;
+  // Only a max_split_size under kLargeBuffer can make PyTorch's shared segment leave an unusable
+  // remainder; set once, so the default configuration's malloc skips FullSegmentSize's search.
+  bool max_split_below_large_buffer_;
 };
 
 }  // namespace spillway

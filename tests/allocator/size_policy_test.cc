@@ -74,5 +74,28 @@ TEST(SizePolicy, OversizeBlocksAreNotHandedToSmallRequests) {
   EXPECT_FALSE(policy.AcceptsBlock(70 * kMiB, 45 * kMiB));  // would waste >= 20 MiB
 }
 
+TEST(SizePolicy, SegmentsLeaveNoRemainderThatNoRequestMayTake) {
+  // Default configuration: PyTorch's shared 20 MiB segment first; the request's own size is the
+  // least one.
+  const SizePolicy plain{AllocatorConfig{}};
+  EXPECT_EQ(plain.FullSegmentSize(kMiB + kMiB / 2), 20 * kMiB);
+  EXPECT_EQ(plain.LeastSegmentSize(kMiB + kMiB / 2), 2 * kMiB);
+  EXPECT_EQ(plain.FullSegmentSize(12 * kMiB), 12 * kMiB);
+  // max_split_size 8 MiB: a 20 MiB segment would leave an oversize remainder no request below
+  // 8 MiB may take, so the request's own size is taken.
+  AllocatorConfig eight;
+  eight.max_split_size = 8 * kMiB;
+  EXPECT_EQ(SizePolicy{eight}.FullSegmentSize(kMiB + kMiB / 2), 2 * kMiB);
+  EXPECT_EQ(SizePolicy{eight}.FullSegmentSize(3 * kMiB), 4 * kMiB);
+  // max_split_size 4 MiB: a 4 MiB block is oversize and never goes to a 3.5 MiB request, and
+  // 0.5 MiB is too little to split off; 6 MiB splits into the request and a 2.5 MiB block.
+  AllocatorConfig four;
+  four.max_split_size = 4 * kMiB;
+  EXPECT_EQ(SizePolicy{four}.FullSegmentSize(3 * kMiB + kMiB / 2), 6 * kMiB);
+  EXPECT_EQ(SizePolicy{four}.LeastSegmentSize(3 * kMiB + kMiB / 2), 6 * kMiB);
+  // At or above max_split_size the request is oversize and takes PyTorch's size.
+  EXPECT_EQ(SizePolicy{four}.FullSegmentSize(5 * kMiB), 20 * kMiB);
+}
+
 }  // namespace
 }  // namespace spillway
