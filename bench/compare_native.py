@@ -26,7 +26,8 @@ def table(data):
         parts = bench["run_name"].split("/") if "run_name" in bench else bench["name"].split("/")
         case, allocator, arg = parts[0], parts[1], "/".join(parts[2:])
         rows.setdefault((case, arg), {})[allocator] = bench
-    lines = ["| case | native ns/op | Spillway ns/op | Spillway / native | fragmentation native / Spillway |",
+    lines = ["| case | native ns/op | Spillway ns/op | Spillway / native "
+             "| fragmentation native / Spillway |",
              "|---|---|---|---|---|"]
     for (case, arg), by in rows.items():
         if "native" not in by or "spillway" not in by:

@@ -83,7 +83,8 @@ def main():
 
     base = rows[0]
     failed = []
-    print("| live | instructions / op | x 1k | log-n limit | L1 misses / op | 1 MiB LL misses / op |")
+    print("| live | instructions / op | x 1k | log-n limit | L1 misses / op "
+          "| 1 MiB LL misses / op |")
     print("|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         ratio = row["instructions_per_op"] / base["instructions_per_op"]

@@ -6,8 +6,8 @@ Configurations: default (PyTorch's allocator, no offload; on the simulated devic
 allocator is the device, so this equals `spillway`), spillway (Spillway's allocator, no offload),
 eager, auto (--budget bytes; default 80% of the device limit), save_on_cpu
 (torch.autograd.graph.save_on_cpu(pin_memory=True) on the default allocator; CUDA only),
-checkpoint (activation checkpointing per layer on the default allocator). Each configuration needs its own process: an allocator is installed once per
-process.
+checkpoint (activation checkpointing per layer on the default allocator). Each configuration
+needs its own process: an allocator is installed once per process.
 """
 
 import argparse
@@ -77,11 +77,13 @@ def main():
         torch.cuda.set_per_process_memory_fraction(min(1.0, (args.limit_mb << 20) / total))
     offload = None
     if args.config in ("eager", "auto"):
-        offload = lambda: spillway.offload(  # noqa: E731
-            args.config, budget_bytes=args.budget if args.config == "auto" else None,
-            min_bytes=0, prefetch_bytes=args.prefetch_mb << 20)
+        def offload():
+            return spillway.offload(
+                args.config, budget_bytes=args.budget if args.config == "auto" else None,
+                min_bytes=0, prefetch_bytes=args.prefetch_mb << 20)
     elif args.config == "save_on_cpu":
-        offload = lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)  # noqa: E731
+        def offload():
+            return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
     def stats():
         if uses_spillway:

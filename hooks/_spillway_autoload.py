@@ -1,6 +1,6 @@
 """Spillway's start-up hook (run by spillway.pth; a top-level module, so that it can run before
-torch is importable without importing the `spillway` package): loads Spillway from the environment, so existing training
-scripts run unchanged:
+torch is importable without importing the `spillway` package): loads Spillway from the
+environment, so existing training scripts run unchanged:
 
     PYTORCH_CUDA_ALLOC_CONF=backend:spillway,offload:auto python train.py
     SPILLWAY_ALLOC_CONF=offload:auto python train.py

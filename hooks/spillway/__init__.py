@@ -29,6 +29,7 @@ from ._api import (
     synchronize,
 )
 
+import importlib as _importlib
 import sys as _sys
 
 if "_spillway_autoload" in _sys.modules:  # an environment install that waited for this import
@@ -40,7 +41,7 @@ else:
     # the script's own install() finds the same install as with the hook, not the variables
     # silently ignored. (It sits beside this package; it does nothing unless a variable asks.)
     try:
-        import _spillway_autoload  # noqa: F401 - imported for what it does
+        _importlib.import_module("_spillway_autoload")  # imported for what it does
     except ImportError:
         pass
 

@@ -52,9 +52,9 @@ def install(device=None, conf=None, capacity_bytes=None):
     """Makes Spillway serve PyTorch's allocations on `device`.
 
     device: "cuda" (or torch.device("cuda")) installs Spillway as PyTorch's CUDA allocator, for
-        every CUDA device (must run before CUDA initializes); "sim" installs the simulated device (host memory with a capacity) as
-        PyTorch's CPU allocator, so CPU tensors created afterwards live in it. Default: the
-        configuration's `device` key, else "cuda".
+        every CUDA device (must run before CUDA initializes); "sim" installs the simulated device
+        (host memory with a capacity) as PyTorch's CPU allocator, so CPU tensors created
+        afterwards live in it. Default: the configuration's `device` key, else "cuda".
     conf: a `key:value,...` string (the grammar of PYTORCH_CUDA_ALLOC_CONF); see README.
     capacity_bytes: simulated device capacity (a multiple of 1 MiB; default 1 GiB).
 
@@ -182,8 +182,9 @@ def _unpack(packed):
 # How many offload blocks are open, and whether saves outside them are offloaded too (the
 # environment hook's process-wide form): either way a block that ends gives the settings back.
 _open_blocks = 0
-# Per thread, the entries of every offload block open on it, innermost last: blocks must close in
-# the reverse order (saved-tensor hooks are a stack, and each block puts back what it replaced).
+# Per thread (a decorated forward may run on several), every offload block open on it, innermost
+# last, as (block, its saved-tensor hooks, the settings it replaced): blocks must close in the
+# reverse order (saved-tensor hooks are a stack, and each block puts back what it replaced).
 _open_on_thread = threading.local()
 _process_wide = False
 
@@ -200,8 +201,9 @@ class offload(contextlib.ContextDecorator):
     min_bytes: storages smaller than this are never spilled; default from the configuration
         (`offload_min_kb`, 1 MiB).
     prefetch_bytes: how far ahead backward reloads, per device (whole saves: the next one even
-        when it alone is larger; 0: no prefetch); default from the configuration (256 MiB). A prefetch is a
-        guess: an allocation that would fail otherwise takes back the ones not used yet.
+        when it alone is larger; 0: no prefetch); default from the configuration (256 MiB). A
+        prefetch is a guess: an allocation that would fail otherwise takes back the ones not used
+        yet.
 
     Blocks nest: each saved tensor keeps the "off" and the min_bytes of the block it was saved in
     (one saved in an "off" block stays on the device), and when an inner block ends the enclosing
@@ -220,9 +222,6 @@ class offload(contextlib.ContextDecorator):
         self._budget_bytes = _check_bytes("budget_bytes", budget_bytes, positive=True)
         self._min_bytes = _check_bytes("min_bytes", min_bytes)
         self._prefetch_bytes = _check_bytes("prefetch_bytes", prefetch_bytes)
-        # Per thread (a decorated forward may run on several), per open entry: its saved-tensor
-        # hooks and the settings it replaced.
-        self._local = threading.local()
 
     def __enter__(self):
         global _open_blocks
@@ -247,26 +246,23 @@ class offload(contextlib.ContextDecorator):
         except BaseException:
             self._leave(previous)  # a block that never began leaves nothing of its settings
             raise
-        token = object()
-        self._entered().append((hooks, enclosing, token))
-        _thread_stack().append(token)
+        _thread_stack().append((self, hooks, enclosing))
         return self
 
     def __exit__(self, *exc_info):
-        entered = self._entered()
-        if not entered:
+        stack = _thread_stack()
+        if not any(block is self for block, _, _ in stack):
             # Exited twice, or on another thread than the one that entered it (saved-tensor
             # hooks are per thread): nothing of this block is open here.
             raise RuntimeError("spillway.offload: exited without being entered on this thread; a "
                                "block is entered and exited once, on the same thread")
-        if _thread_stack()[-1] is not entered[-1][2]:
+        if stack[-1][0] is not self:
             # Out of order (entered and exited by hand, not by `with`): this block's hooks are
             # not the innermost, and the settings it would put back are not the ones in force.
             raise RuntimeError("spillway.offload: exited while a block entered after it is still "
                                "open; blocks exit in the reverse order they were entered (as "
                                "`with` statements do): exit the inner one first")
-        hooks, enclosing, _ = entered.pop()
-        _thread_stack().pop()
+        _, hooks, enclosing = stack.pop()
         try:
             try:
                 _C.forward_end()
@@ -275,11 +271,6 @@ class offload(contextlib.ContextDecorator):
         finally:
             self._leave(enclosing)
         return False
-
-    def _entered(self):  # this block's open entries on this thread
-        if not hasattr(self._local, "entries"):
-            self._local.entries = []
-        return self._local.entries
 
     @staticmethod
     def _leave(enclosing):

@@ -193,11 +193,13 @@ def plot(snapshots, labels, path):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m spillway.report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("snapshots", nargs="+", help="one or two pickles from spillway.dump_snapshot")
+    parser = argparse.ArgumentParser(prog="python -m spillway.report",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("snapshots", nargs="+",
+                        help="one or two pickles from spillway.dump_snapshot")
     parser.add_argument("-o", "--output", default="spillway_timeline.png",
-                        help="image to write (.png, .svg or .pdf; default: spillway_timeline.png in "
-                             "the current directory)")
+                        help="image to write (.png, .svg or .pdf; default: spillway_timeline.png "
+                             "in the current directory)")
     args = parser.parse_args(argv)
     if len(args.snapshots) > 2:
         parser.error("give one or two snapshots")
@@ -253,8 +255,8 @@ def main(argv=None):
     try:
         print(f"timeline: {plot(snaps, labels, args.output)}")
     except ImportError as error:
-        print(f"{parser.prog}: error: cannot plot the timeline: {error.name or 'matplotlib'} is not "
-              "installed (pip install matplotlib, or apt-get install python3-matplotlib)",
+        print(f"{parser.prog}: error: cannot plot the timeline: {error.name or 'matplotlib'} is "
+              "not installed (pip install matplotlib, or apt-get install python3-matplotlib)",
               file=sys.stderr)
         return 2
     except OSError as error:

@@ -236,7 +236,7 @@ def test_exception_in_forward_leaks_nothing():
     allocated = stat("allocated_bytes.all.current")
 
     def failing_forward():
-        hidden = model(x)
+        model(x)
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):

@@ -362,8 +362,12 @@ class Wrapper(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        unwrap = lambda t: t.inner if isinstance(t, Wrapper) else t  # noqa: E731
-        wrap = lambda t: Wrapper(t) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        def unwrap(t):
+            return t.inner if isinstance(t, Wrapper) else t
+
+        def wrap(t):
+            return Wrapper(t) if isinstance(t, torch.Tensor) else t
+
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
         return tree_map(wrap, out)
 

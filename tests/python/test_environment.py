@@ -16,7 +16,8 @@ SITE = os.environ.get("SPILLWAY_PYTHON_SITE")
 PLAIN_SCRIPT = """
     import os
     import torch
-    x = torch.randn(512, 512, requires_grad=True)   # a training script that knows nothing of Spillway
+    # a training script that knows nothing of Spillway
+    x = torch.randn(512, 512, requires_grad=True)
     for _ in range(2):
         y = torch.tanh(x @ x).square().sum()
         y.backward()
@@ -30,7 +31,8 @@ PLAIN_SCRIPT = """
     print("pytorch_conf", os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
 """
 
-pytestmark = pytest.mark.skipif(SITE is None, reason="SPILLWAY_PYTHON_SITE not set (scripts/test sets it)")
+pytestmark = pytest.mark.skipif(SITE is None,
+                                reason="SPILLWAY_PYTHON_SITE not set (scripts/test sets it)")
 
 # A virtual environment's interpreter ignores PYTHONUSERBASE (no user site); there the .pth must
 # sit in a site directory. The child then adds that directory itself, first thing, exactly as the
@@ -272,7 +274,8 @@ def test_a_misspelled_spillway_key_in_pytorchs_variable_is_reported():
     """User review: `ofload:eager` next to backend:spillway was left to PyTorch, which on the
     simulated device never reads the variable: the policy silently stayed `auto`."""
     env = {"PYTHONUSERBASE": SITE,
-           "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,backend:spillway,device:sim,ofload:eager"}
+           "PYTORCH_CUDA_ALLOC_CONF":
+               "max_split_size_mb:64,backend:spillway,device:sim,ofload:eager"}
     result = run_script(ENV_SCRIPT, env=env)
     assert "unknown key 'ofload'" in result.stderr and "did you mean 'offload'?" in result.stderr, \
         result.stderr

@@ -3,8 +3,6 @@ nothing else is lost. Each runs in its own process (the fault knobs are process-
 
 import re
 
-import pytest
-
 from conftest import run_script
 
 PRELUDE = """
@@ -64,7 +62,8 @@ def test_failed_copy_is_never_silent_and_the_next_step_works():
     else:
         # Every copy in flight when the failure surfaced is failed (it cannot be told which one
         # it was): the error may name the 256x256 activation or another saved tensor.
-        assert re.search(r"spillway could not bring back the saved tensor \w+\[[0-9, ]*\]", out), out
+        assert re.search(r"spillway could not bring back the saved tensor \w+\[[0-9, ]*\]",
+                         out), out
         assert "injected copy failure" in out
     assert "next step equal: True" in out
     assert "host bytes: 0" in out

@@ -101,7 +101,8 @@ def test_empty_cache_gives_pinned_host_memory_back():
         spillway.synchronize()
         loss.backward()
         stats = spillway.memory_stats()
-        print("spilled", stats["spillway.num_spills"], "cached", stats["spillway.host_reserved_bytes"] > 0)
+        print("spilled", stats["spillway.num_spills"],
+              "cached", stats["spillway.host_reserved_bytes"] > 0)
         spillway.empty_cache()
         print("after", spillway.memory_stats()["spillway.host_reserved_bytes"])
     """)

@@ -112,7 +112,8 @@ def test_reset_peak_and_empty_cache():
     stats = spillway.memory_stats()
     assert stats["allocated_bytes.all.peak"] == stats["allocated_bytes.all.current"]
     spillway.empty_cache()
-    assert spillway.memory_stats()["reserved_bytes.all.current"] < stats["reserved_bytes.all.current"]
+    assert (spillway.memory_stats()["reserved_bytes.all.current"]
+            < stats["reserved_bytes.all.current"])
 
 
 def test_numpy_integers_and_device_strings_are_taken_as_torch_takes_them():
@@ -325,7 +326,8 @@ def test_record_history_takes_torch_2x_spellings():
     y = torch.empty(3 << 20, dtype=torch.uint8)
     assert len(spillway.snapshot()["device_traces"][0]) == before, "None did not stop recording"
     del x, y
-    with pytest.raises(ValueError, match=r"enabled='state' .* is not supported.*pass 'all' or True"):
+    with pytest.raises(ValueError,
+                       match=r"enabled='state' .* is not supported.*pass 'all' or True"):
         spillway.record_history("state")
     with pytest.raises(ValueError, match=r"stacks='all' .* is not supported.*'python' or 'none'"):
         spillway.record_history("all", stacks="all")

@@ -69,6 +69,7 @@ def test_saved_view_whose_base_is_dead_spills_the_whole_storage():
     x = torch.randn(256, 256, requires_grad=True)
     to_host = stat("spillway.bytes_to_host")
     allocated = stat("allocated_bytes.all.current")
+
     def forward():
         base = torch.relu(torch.randn(512, 256))  # 512 KiB storage
         view = base[:16]                           # 16 KiB view of it
