@@ -110,7 +110,7 @@ void* CachingAllocator::Malloc(size_t size, int device, StreamHandle stream) {
 void CachingAllocator::Free(void* ptr, int device) {
   if (ptr == nullptr) return;
   DeviceAllocator& allocator = At(device);
-  if (allocator.Free(ptr, GatherContext())) {
+  if (allocator.Free(ptr, GatherFreeContext())) {
     if (allocator.has_stream_errors()) DispatchStreamErrors(allocator);
     return;
   }
@@ -119,7 +119,7 @@ void CachingAllocator::Free(void* ptr, int device) {
 
 void CachingAllocator::Free(void* ptr) {
   if (ptr == nullptr) return;
-  const TraceContext context = GatherContext();
+  const TraceContext context = GatherFreeContext();
   if (DeviceAllocator* owner =
           FindOwner([&](DeviceAllocator& device) { return device.Free(ptr, context); })) {
     if (owner->has_stream_errors()) DispatchStreamErrors(*owner);
@@ -254,7 +254,9 @@ void CachingAllocator::ProcessEvents(int device) {
   if (allocator.has_stream_errors()) DispatchStreamErrors(allocator);
 }
 
-void CachingAllocator::RecordHistory(bool enabled, size_t max_entries, ContextGatherer gatherer) {
+void CachingAllocator::RecordHistory(bool enabled, size_t max_entries, ContextGatherer gatherer,
+                                     bool free_context) {
+  free_context_.store(free_context, std::memory_order_relaxed);
   {
     std::lock_guard lock(gatherer_mutex_);
     gatherer_ = enabled ? std::move(gatherer) : ContextGatherer{};

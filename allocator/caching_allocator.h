@@ -76,9 +76,12 @@ class CachingAllocator {
   void ProcessEvents(int device);
 
   // History. `max_entries` 0 means the configured `history_entries`. The gatherer (may be
-  // empty) runs outside every allocator lock at each allocation and free while recording is on.
+  // empty) runs outside every allocator lock at each allocation, and at each free unless
+  // `free_context` is false (PyTorch's context="alloc": frees, the more frequent event on a
+  // training step's hot path, then carry no context), while recording is on.
   // Stopping (enabled false) clears the history, as PyTorch's allocator does.
-  void RecordHistory(bool enabled, size_t max_entries = 0, ContextGatherer gatherer = {});
+  void RecordHistory(bool enabled, size_t max_entries = 0, ContextGatherer gatherer = {},
+                     bool free_context = true);
   bool history_enabled() const { return recording_.load(std::memory_order_relaxed); }
   // Drops the recorded entries of every device; recording continues if it was on.
   void ClearHistory();
@@ -131,6 +134,10 @@ class CachingAllocator {
     if (!recording_.load(std::memory_order_relaxed)) return nullptr;
     return GatherContextSlow();
   }
+  TraceContext GatherFreeContext() const {
+    if (!free_context_.load(std::memory_order_relaxed)) return nullptr;
+    return GatherContext();
+  }
   TraceContext GatherContextSlow() const;
   std::vector<FreeMemoryCallback> Callbacks() const;
   // Calls `find(device)` on the device that answered the last pointer-only call, then on the
@@ -160,6 +167,7 @@ class CachingAllocator {
   mutable std::atomic<int> last_owner_{0};  // see FindOwner
 
   std::atomic<bool> recording_{false};
+  std::atomic<bool> free_context_{true};
   mutable std::mutex gatherer_mutex_;
   ContextGatherer gatherer_;
 

@@ -399,7 +399,9 @@ class SpillwayCudaAllocator final : public Base {
       std::lock_guard lock(mutex_);
       skip_actions_ = std::unordered_set<std::string>(skip_actions.begin(), skip_actions.end());
     }
-    Guard([&] { alloc_.RecordHistory(enabled, max_entries, std::move(gatherer)); });
+    // ALL gathers at frees too; ALLOC and STATE (the frames of live blocks) at allocations only.
+    const bool free_context = when == cca::RecordContext::ALL;
+    Guard([&] { alloc_.RecordHistory(enabled, max_entries, std::move(gatherer), free_context); });
     if (clear_history) alloc_.ClearHistory();
   }
 

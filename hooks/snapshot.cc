@@ -172,14 +172,14 @@ py::dict SpillwaySection(Runtime& runtime, py::dict& block_sections) {
 
 }  // namespace
 
-void RecordHistory(bool enabled, size_t max_entries, const std::string& stacks) {
+void RecordHistory(bool enabled, size_t max_entries, const std::string& stacks, bool free_context) {
   if (stacks != "python" && stacks != "none") {
     throw InvalidArgumentError("record_history: stacks must be \"python\" or \"none\", got \"" +
                                stacks + "\"");
   }
   ContextGatherer gatherer;
   if (stacks == "python") gatherer = GatherPythonFrames;
-  Runtime::Get().allocator().RecordHistory(enabled, max_entries, std::move(gatherer));
+  Runtime::Get().allocator().RecordHistory(enabled, max_entries, std::move(gatherer), free_context);
 }
 
 py::dict Snapshot() {

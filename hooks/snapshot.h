@@ -13,7 +13,8 @@ namespace spillway::torch_layer {
 pybind11::dict Snapshot();
 
 // Mirrors torch.cuda.memory._record_memory_history: `stacks` is "python" (allocations carry the
-// Python frames of the allocating code) or "none".
-void RecordHistory(bool enabled, size_t max_entries, const std::string& stacks);
+// Python frames of the allocating code) or "none"; `free_context` (its context="all") gathers the
+// frames at frees too.
+void RecordHistory(bool enabled, size_t max_entries, const std::string& stacks, bool free_context);
 
 }  // namespace spillway::torch_layer

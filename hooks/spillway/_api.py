@@ -375,13 +375,15 @@ def residency(tensor):
     return _C.residency(tensor)
 
 
-def record_history(enabled=True, max_entries=None, stacks="python"):
-    """Records allocator events, like torch.cuda.memory._record_memory_history. `enabled` is a
-    bool, or as torch 2.x spells it "all" (record) or None (stop; as in torch, stopping also
-    clears the history: take the snapshot first). max_entries bounds the history
-    ring (oldest events go first); None: the history_entries key (default 100000).
-    stacks="python" attaches the allocating Python frames (on threads that hold the GIL); "none"
-    records none."""
+def record_history(enabled=True, context="all", stacks="python", max_entries=None):
+    """Records allocator events, like torch.cuda.memory._record_memory_history, whose argument
+    order it keeps. `enabled` is a bool, or as torch 2.x spells it "all" (record) or None (stop;
+    as in torch, stopping also clears the history: take the snapshot first).
+    context: which events carry frames: "all" (allocations and frees), "alloc" or "state"
+    (allocations only; a live block keeps its allocation's frames either way), None (none).
+    stacks="python" attaches the Python frames (on threads that hold the GIL); "none" records
+    none. max_entries bounds the history ring (oldest events go first); None: the
+    history_entries key (default 100000)."""
     if isinstance(enabled, str) and enabled == "state":
         raise ValueError("enabled='state' (frames of live blocks without an event history) is not "
                          "supported: Spillway records the history with its frames; pass 'all' or "
@@ -401,6 +403,8 @@ def record_history(enabled=True, max_entries=None, stacks="python"):
                          "Python frames only; pass 'python' or 'none'")
     if stacks not in ("python", "none", None):
         raise ValueError(f"stacks must be 'python' or 'none', got {stacks!r}")
+    if context not in ("all", "alloc", "state", None):
+        raise ValueError(f"context must be 'all', 'alloc', 'state' or None, got {context!r}")
     if max_entries is not None and (
             isinstance(max_entries, bool) or not isinstance(max_entries, numbers.Integral)
             or not 1 <= max_entries <= _MAX_HISTORY_ENTRIES):
@@ -410,7 +414,9 @@ def record_history(enabled=True, max_entries=None, stacks="python"):
             f"value, got {max_entries!r}")
     _require_installed("record_history")
     # 0 asks the allocator for its configured history_entries.
-    _C.record_history(enabled, 0 if max_entries is None else int(max_entries), stacks or "none")
+    frames = "none" if context is None else stacks or "none"
+    _C.record_history(enabled, 0 if max_entries is None else int(max_entries), frames,
+                      context == "all")
 
 
 def snapshot():

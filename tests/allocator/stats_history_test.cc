@@ -146,6 +146,43 @@ TEST_F(StatsHistoryTest, HistoryRecordsActionsInOrderWithContext) {
   EXPECT_EQ(TraceActionName(trace[2].action), "free_requested");
 }
 
+// PyTorch's context="all" gathers a context at each free too; context="alloc" only at allocations
+// (the gatherer, Python frames under torch, is not even called at a free).
+TEST_F(StatsHistoryTest, FreesCarryAContextUnlessOnlyAllocationsAskForOne) {
+  for (const bool free_context : {true, false}) {
+    SCOPED_TRACE(free_context ? "context at frees" : "context at allocations only");
+    int gathered = 0;
+    allocator_->RecordHistory(
+        true, 64,
+        [&]() -> TraceContext {
+          ++gathered;
+          return std::make_shared<const int>(gathered);
+        },
+        free_context);
+    void* p = Alloc(4096);
+    allocator_->Free(p, 0);  // both Free overloads gather the same way
+    void* q = Alloc(4096);
+    allocator_->Free(q);
+    const auto trace = allocator_->TakeSnapshot().device_traces.at(0);
+    int allocs = 0;
+    int frees = 0;
+    for (const TraceEntry& e : trace) {
+      if (e.action == TraceAction::kAlloc) {
+        ++allocs;
+        EXPECT_NE(e.context, nullptr);
+      }
+      if (e.action == TraceAction::kFreeRequested) {
+        ++frees;
+        EXPECT_EQ(e.context != nullptr, free_context);
+      }
+    }
+    EXPECT_EQ(allocs, 2);
+    EXPECT_EQ(frees, 2);
+    EXPECT_EQ(gathered, free_context ? 4 : 2);
+    allocator_->RecordHistory(false);
+  }
+}
+
 // As PyTorch's: an allocation's events carry the caller's size, which memory_viz draws (every
 // small tensor showed as 512 bytes, unlike the snapshot's requested_size); a segment's, its size.
 TEST_F(StatsHistoryTest, HistoryCarriesTheRequestedSizeOfAnAllocation) {

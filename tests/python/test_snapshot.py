@@ -87,7 +87,8 @@ def test_keeper_annotations_name_the_saved_views():
     snap = spillway.snapshot()
     address = y.data_ptr()
     block = snap["spillway"]["blocks"][address]
-    assert {"kind": "saved", "shape": (128, 128), "stride": (128, 1), "offset": 0} in block["keepers"]
+    assert ({"kind": "saved", "shape": (128, 128), "stride": (128, 1), "offset": 0}
+            in block["keepers"])
     assert block["residency"] == "resident"
     assert block["external_holders"] >= 1
     z.backward()
@@ -101,7 +102,10 @@ def test_pytorchs_memory_viz_reads_it(tmp_path):
     loss.backward()
     after = spillway.snapshot()
     segments = snap["segments"]
-    identity = lambda text: text  # noqa: E731 - skip flamegraph.pl (it downloads)
+
+    def identity(text):  # skip flamegraph.pl (it downloads)
+        return text
+
     if hasattr(_memory_viz, "segsum"):
         # torch 2.x: the helpers take the whole snapshot. segsum asserts that every byte of
         # every segment is allocated, rounding, or free; trace walks the history.
@@ -122,8 +126,33 @@ def test_pytorchs_memory_viz_reads_it(tmp_path):
 def test_record_history_checks_its_arguments():
     with pytest.raises(ValueError, match="stacks must be"):
         spillway.record_history(True, stacks="cpp")
+    with pytest.raises(ValueError, match="context must be 'all', 'alloc', 'state' or None"):
+        spillway.record_history(True, context="free")
     with pytest.raises(ValueError, match="max_entries must be a positive"):
         spillway.record_history(True, max_entries=0)
+
+
+@pytest.mark.parametrize("context", ["all", "alloc", None])
+def test_context_says_which_events_carry_frames(context):
+    """torch's argument order (enabled, context, stacks, max_entries), positionally: "all" puts
+    frames on allocations and frees, "alloc" on allocations only, None on none."""
+    spillway.record_history(True, context, "python", 1000)
+    try:
+        def make_and_drop():
+            x = torch.empty(1 << 20, dtype=torch.uint8)
+            del x
+
+        make_and_drop()
+        trace = spillway.snapshot()["device_traces"][0]
+    finally:
+        spillway.record_history(False)
+
+    def framed(action):
+        return any(any(f["name"] == "make_and_drop" for f in e["frames"])
+                   for e in trace if e["action"] == action)
+
+    assert framed("alloc") == (context is not None), trace
+    assert framed("free_requested") == (context == "all"), trace
 
 
 def test_the_history_entries_key_bounds_the_history_recorded_from_python():
