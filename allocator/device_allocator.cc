@@ -151,7 +151,11 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
   }
   // The out-of-memory ladder, cheapest step first: what the allocator can do on its own, then
   // what the registered holders (the offload engine, whose spills cost copies) can give back.
-  if (block == kNoBlock) block = Reclaim(kind, stream, rounded);
+  // num_alloc_retries counts mallocs that retried, as PyTorch's does, not the holders' rounds.
+  if (block == kNoBlock) {
+    ++stats_.num_alloc_retries;
+    block = Reclaim(kind, stream, rounded);
+  }
   if (block == kNoBlock && callbacks_) block = AskHolders(kind, stream, rounded, lock);
   if (block == kNoBlock) ThrowOutOfMemory(size, rounded);
   return UseBlock(block, rounded, size, std::move(context));

@@ -78,7 +78,6 @@ BlockId DeviceAllocator::Reclaim(PoolKind kind, StreamRef stream, size_t rounded
   // device free and a device malloc, each synchronizing the device on CUDA.) With nothing
   // pending there is nothing to wait for, and num_sync_all_streams counts real waits only.
   SynchronizeAllEvents();
-  ++stats_.num_alloc_retries;
   BlockId block = FindFree(kind, stream, rounded);
   if (block == kNoBlock) {
     ReleaseCachedSegments(std::numeric_limits<size_t>::max());

@@ -169,6 +169,7 @@ TEST_F(OomTest, HoldersAreAskedAgainWhileTheyGiveMemoryBack) {
   void* p = Alloc(12 * kMiB);
   EXPECT_EQ(p, blocks[0]) << "served from the three free neighbours";
   EXPECT_EQ(asked, (std::vector<size_t>{12 * kMiB, 24 * kMiB, 48 * kMiB, 96 * kMiB, 192 * kMiB}));
+  EXPECT_EQ(Stat("num_alloc_retries"), 1) << "one malloc retried, however many rounds it took";
   allocator_->Free(p);
   for (void* b : {blocks[3], blocks[5], blocks[7]}) allocator_->Free(b);
 }
