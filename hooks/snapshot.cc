@@ -167,6 +167,12 @@ py::dict SpillwaySection(Runtime& runtime, py::dict& block_sections) {
   // What an allocation's history events carry (block sizes, in snapshots of earlier versions).
   section["trace_sizes"] = "requested";
   section["stats"] = engine != nullptr ? py::cast(engine->stats().Flatten()) : py::dict();
+  // Per device, its part of stats' spilled_bytes.current (the report plots each device).
+  py::list spilled;
+  for (int d = 0; engine != nullptr && d < runtime.allocator().device_count(); ++d) {
+    spilled.append(engine->spilled_bytes(d));
+  }
+  section["spilled_bytes_by_device"] = spilled;
   return section;
 }
 

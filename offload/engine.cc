@@ -51,6 +51,7 @@ OffloadEngine::OffloadEngine(CachingAllocator& allocator, const OffloadConfig& c
     : allocator_(allocator), backend_(allocator.backend()), config_(CheckedOffloadConfig(config)) {
   devices_.resize(static_cast<size_t>(allocator_.device_count()));
   windows_.resize(devices_.size());
+  spilled_by_device_.resize(devices_.size());
   oom_callback_id_ = allocator_.AddFreeMemoryCallback(
       [this](int device, size_t bytes) { return ReleaseMemory(device, bytes); });
   allocator_.SetPressureHandler(
@@ -294,7 +295,7 @@ void OffloadEngine::DiscardCopies(Entry& e) {
   // Counted after the host buffer went back: the pool may have heard there that this entry's
   // spill failed, and MarkFailed took its bytes out of the spilled ones then.
   if (e.state == Residency::kSpilling || e.state == Residency::kSpilled) {
-    stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
+    CountSpilled(e, false);
     Note(OffloadEvent::Kind::kDropSpilled, e);
   }
 }
@@ -422,7 +423,7 @@ OffloadEngine::SpillResult OffloadEngine::Spill(Entry& e) {
   e.last_spill_us = NowMicros();
   ++stats_.num_spills;
   stats_.bytes_to_host += static_cast<int64_t>(e.nbytes);
-  stats_.spilled_bytes.Increase(static_cast<int64_t>(e.nbytes));
+  CountSpilled(e, true);
   stats_.host_bytes.Increase(static_cast<int64_t>(e.nbytes));
   Note(OffloadEvent::Kind::kSpill, e);
   // Reuse of the device block waits for the copy: one stream use, then the free.
@@ -485,7 +486,7 @@ void OffloadEngine::Reload(Entry& e, StreamRef consumer) {
     e.copy_done = reload_done;
   }
   if (e.state == Residency::kSpilling || e.state == Residency::kSpilled) {
-    stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
+    CountSpilled(e, false);
     Note(OffloadEvent::Kind::kReload, e);
   }
   e.block_stream = consumer;

@@ -165,6 +165,8 @@ class OffloadEngine {
   OffloadStats stats() const;
   void ResetPeakStats();
   size_t budget_bytes(int device) const;
+  // Bytes of `device`'s entries spilling or spilled: its part of stats().spilled_bytes.
+  size_t spilled_bytes(int device) const;
 
   // True while the calling thread is inside the engine (holding its lock). Hooks that would take
   // other locks on allocation (the Python stack gatherer takes the GIL) skip their work then.
@@ -304,6 +306,10 @@ class OffloadEngine {
     size_t bytes = 0;                         // bytes of the entries in the window
   };
   std::vector<Window> windows_;
+  std::vector<int64_t> spilled_by_device_;  // see spilled_bytes(device)
+  // Counts `e`'s bytes into (or, `spilled` false, out of) the spilled bytes, overall and of its
+  // device.
+  void CountSpilled(const Entry& e, bool spilled);
   void WindowAdd(Entry& e);
   // Gives `e` the next seq (a save of it after others), in every map keyed by seq.
   void Resequence(Entry& e);

@@ -13,7 +13,7 @@ namespace spillway {
 void OffloadEngine::MarkFailed(Entry& e, const std::string& why) {
   // The device copy is gone (spilling), or the bytes never arrived (reloading).
   if (e.state == Residency::kSpilling) {
-    stats_.spilled_bytes.Decrease(static_cast<int64_t>(e.nbytes));
+    CountSpilled(e, false);
     Note(OffloadEvent::Kind::kFailed, e);
   }
   // No longer a prefetch: its bytes must not hold back further prefetches, nor its entry pass

@@ -214,7 +214,7 @@ size_t OffloadEngine::GiveBackPrefetches(int device, size_t target_allocated) {
     e.state = Residency::kSpilled;
     EndPrefetch(e);
     offloaded_[e.seq] = &e;
-    stats_.spilled_bytes.Increase(static_cast<int64_t>(e.nbytes));
+    CountSpilled(e, true);
     Note(OffloadEvent::Kind::kPrefetchGivenBack, e);
     released += info ? info->size : e.nbytes;
   }
@@ -241,6 +241,26 @@ size_t OffloadEngine::budget_bytes(int device) const {
   const size_t limit = allocator_.memory_limit(device);
   const size_t base = limit == 0 ? total : std::min(limit, total);
   return static_cast<size_t>(config_.budget_fraction * static_cast<double>(base));
+}
+
+size_t OffloadEngine::spilled_bytes(int device) const {
+  EngineLock lock(mutex_);
+  if (device < 0 || static_cast<size_t>(device) >= spilled_by_device_.size()) {
+    throw InvalidArgumentError(absl::StrFormat(
+        "OffloadEngine::spilled_bytes: device %d is out of range: valid devices are 0..%d", device,
+        spilled_by_device_.size() - 1));
+  }
+  return static_cast<size_t>(spilled_by_device_[static_cast<size_t>(device)]);
+}
+
+void OffloadEngine::CountSpilled(const Entry& e, bool spilled) {
+  const auto bytes = static_cast<int64_t>(e.nbytes);
+  if (spilled) {
+    stats_.spilled_bytes.Increase(bytes);
+  } else {
+    stats_.spilled_bytes.Decrease(bytes);
+  }
+  spilled_by_device_[static_cast<size_t>(e.device)] += spilled ? bytes : -bytes;
 }
 
 void OffloadEngine::UpdateWatermarks() {

@@ -1,13 +1,13 @@
 """Reads Spillway snapshots (spillway.dump_snapshot) and reports what holds memory.
 
-    python -m spillway.report SNAPSHOT [SNAPSHOT2] [-o OUT.png]
+    python -m spillway.report SNAPSHOT [SNAPSHOT2] [-o OUT.png] [--device N]
 
 Prints the largest blocks with their keepers, the storages kept alive only by tensors saved for
 backward whose views reach less than the whole storage (views you hold yourself are not seen:
 such a storage has other holders and is not listed), and the storages released while other
 tensors still held them; writes a PNG timeline of device memory (allocated, reserved, spilled to
 host) over the recorded history. Given two snapshots (say, without and with offload) it plots both
-on one figure.
+on one figure; a snapshot with several devices gets one panel per device (--device N: only N).
 """
 
 import argparse
@@ -23,12 +23,22 @@ def load(path):
         return pickle.load(f)
 
 
+def devices(snapshot):
+    """The devices the snapshot has anything for (history, segments or offload events), in
+    order; [0] when it has nothing at all."""
+    found = {i for i, trace in enumerate(snapshot["device_traces"]) if trace}
+    found.update(s["device"] for s in snapshot["segments"])
+    found.update(e.get("device", 0) for e in snapshot.get("spillway", {}).get("events", []))
+    return sorted(found) or [0]
+
+
 def series(snapshot, device=0):
     """Timelines from the snapshot's history: a dict of lists `t` (seconds from the first event),
     `allocated` (bytes requested by live allocations, as the history and memory_viz count them),
     `reserved` and `spilled` (bytes after each event). The starting levels are
     derived from the end state, so the curves end where the snapshot's segments are."""
-    trace = snapshot["device_traces"][device] if snapshot["device_traces"] else []
+    traces = snapshot["device_traces"]
+    trace = traces[device] if device < len(traces) else []
     section = snapshot.get("spillway", {})
     offload_events = [e for e in section.get("events", []) if e.get("device", 0) == device]
     segments = [s for s in snapshot["segments"] if s["device"] == device]
@@ -45,7 +55,11 @@ def series(snapshot, device=0):
     # "failed" is noted only for a spill whose copy failed: its bytes never reached the host.
     d_spill = {"spill": 1, "reload": -1, "drop_spilled": -1, "prefetch_given_back": 1,
                "failed": -1}
-    end_spilled = section.get("stats", {}).get("spilled_bytes.current", 0)
+    by_device = section.get("spilled_bytes_by_device")
+    if by_device:
+        end_spilled = by_device[device] if device < len(by_device) else 0
+    else:  # a snapshot from before the per-device count: the engine's total
+        end_spilled = section.get("stats", {}).get("spilled_bytes.current", 0)
     start_spilled = end_spilled - sum(d_spill.get(e["action"], 0) * e["bytes"]
                                       for e in offload_events)
     merged = [(e["time_us"], 0, e) for e in trace] + [(e["time_us"], 1, e) for e in offload_events]
@@ -164,28 +178,33 @@ def legend_labels(paths):
     return labels if len(set(labels)) == len(labels) else [str(p) for p in paths]
 
 
-def plot(snapshots, labels, path):
+def plot(snapshots, labels, path, device=None):
+    """Writes the timeline to `path`: one panel per device any snapshot has data for, or only
+    `device`'s."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4.8))
+    shown = [device] if device is not None else sorted(
+        {d for snap in snapshots for d in devices(snap)})
+    fig, axes = plt.subplots(len(shown), 1, figsize=(9, 4.8 * len(shown)), squeeze=False)
     styles = ["-", "--"]
-    for snap, label, style in zip(snapshots, labels, styles):
-        s = series(snap)
-        prefix = f"{label}: " if len(snapshots) > 1 else ""
-        ax.step(s["t"], [v / MIB for v in s["allocated"]], where="post", linestyle=style,
-                color="tab:blue", label=f"{prefix}allocated")
-        ax.step(s["t"], [v / MIB for v in s["reserved"]], where="post", linestyle=style,
-                color="tab:gray", label=f"{prefix}reserved")
-        ax.step(s["t"], [v / MIB for v in s["spilled"]], where="post", linestyle=style,
-                color="tab:orange", label=f"{prefix}spilled to host")
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("MiB")
-    ax.set_title("Device memory over the recorded history")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    for d, ax in zip(shown, axes[:, 0]):
+        for snap, label, style in zip(snapshots, labels, styles):
+            s = series(snap, d)
+            prefix = f"{label}: " if len(snapshots) > 1 else ""
+            ax.step(s["t"], [v / MIB for v in s["allocated"]], where="post", linestyle=style,
+                    color="tab:blue", label=f"{prefix}allocated")
+            ax.step(s["t"], [v / MIB for v in s["reserved"]], where="post", linestyle=style,
+                    color="tab:gray", label=f"{prefix}reserved")
+            ax.step(s["t"], [v / MIB for v in s["spilled"]], where="post", linestyle=style,
+                    color="tab:orange", label=f"{prefix}spilled to host")
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel("MiB")
+        ax.set_title(f"Device {d} memory over the recorded history")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -200,6 +219,8 @@ def main(argv=None):
     parser.add_argument("-o", "--output", default="spillway_timeline.png",
                         help="image to write (.png, .svg or .pdf; default: spillway_timeline.png "
                              "in the current directory)")
+    parser.add_argument("--device", type=int, default=None,
+                        help="plot only this device (default: every device with data)")
     args = parser.parse_args(argv)
     if len(args.snapshots) > 2:
         parser.error("give one or two snapshots")
@@ -232,13 +253,18 @@ def main(argv=None):
                   "spillway.dump_snapshot)", file=sys.stderr)
             return 2
         snaps.append(snap)
+    if args.device is not None and not any(args.device in devices(snap) for snap in snaps):
+        parser.error(f"--device {args.device}: no snapshot has data for it; devices with data: "
+                     + ", ".join(str(d) for d in sorted({d for snap in snaps
+                                                         for d in devices(snap)})))
     texts = []
     for path, snap in zip(args.snapshots, snaps):
         # The right keys with the wrong contents (a hand-made or damaged file): one line, as for
         # a file that is no snapshot at all, rather than a traceback.
         try:
             texts.append(summary(snap))
-            series(snap)
+            for device in devices(snap):
+                series(snap, device)
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
             what = f"missing key {error}" if isinstance(error, KeyError) else error
             print(f"{parser.prog}: error: {path} is not a memory snapshot this tool can read "
@@ -253,7 +279,7 @@ def main(argv=None):
     # The summary above stands without the plot: a machine with no matplotlib (a pip torch often
     # comes without it) or a full disk still gets it, and one line saying why there is no plot.
     try:
-        print(f"timeline: {plot(snaps, labels, args.output)}")
+        print(f"timeline: {plot(snaps, labels, args.output, args.device)}")
     except ImportError as error:
         print(f"{parser.prog}: error: cannot plot the timeline: {error.name or 'matplotlib'} is "
               "not installed (pip install matplotlib, or apt-get install python3-matplotlib)",

@@ -331,5 +331,25 @@ TEST_F(OffloadTwoDevices, PrefetchBytesCountPerDevice) {
   engine_->Synchronize();
 }
 
+// Each device's spilled bytes follow its own entries (a report plots them per device); together
+// they are the engine's spilled_bytes.
+TEST_F(OffloadTwoDevices, SpilledBytesCountPerDevice) {
+  Make(Policy(OffloadPolicy::kEager));
+  auto a0 = Save(0);
+  auto b0 = Save(0);
+  auto a1 = Save(1);
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  EXPECT_EQ(engine_->spilled_bytes(0), 4 * kMiB);
+  EXPECT_EQ(engine_->spilled_bytes(1), 2 * kMiB);
+  EXPECT_EQ(engine_->stats().spilled_bytes.current, int64_t{6 * kMiB});
+  Acquire(a1, 1);
+  engine_->Synchronize();
+  EXPECT_EQ(engine_->spilled_bytes(0), 4 * kMiB);
+  EXPECT_EQ(engine_->spilled_bytes(1), 0u);
+  EXPECT_THROW(engine_->spilled_bytes(2), InvalidArgumentError);
+  EXPECT_THROW(engine_->spilled_bytes(-1), InvalidArgumentError);
+}
+
 }  // namespace
 }  // namespace spillway::testing

@@ -41,6 +41,7 @@ def test_plotted_allocated_peak_equals_the_allocator_requested_peak(tmp_path):
     assert s["allocated"][-1] == stats["requested_bytes.all.current"]  # nothing pending now
     assert max(s["spilled"]) > 0  # the eager run spilled, and the timeline shows it
     assert s["spilled"][-1] == snap["spillway"]["stats"]["spilled_bytes.current"]
+    assert snap["spillway"]["spilled_bytes_by_device"] == [s["spilled"][-1]]  # the one device
     png = report.plot([snap], [""], str(tmp_path / "one.png"))
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -228,3 +229,56 @@ def test_spilled_timeline_follows_every_offload_event_kind():
                                     for i, (a, b) in enumerate(events)]}}
     spilled = report.series(snap)["spilled"]
     assert spilled == [0, 4, 6, 4, 0, 4, 0, 8]
+
+
+def two_device_snapshot():
+    """Device 0 spilled 4 bytes and kept them spilled; device 1 spilled 8 and reloaded 2."""
+    def event(t, action, device, size):
+        return {"time_us": t, "action": action, "device": device, "bytes": size}
+
+    def alloc(t, size):
+        return {"time_us": t, "action": "alloc", "size": size, "addr": t, "stream": 0,
+                "frames": []}
+
+    return {"segments": [], "device_traces": [[alloc(0, 16)], [alloc(1, 32)]],
+            "spillway": {"stats": {"spilled_bytes.current": 10},
+                         "spilled_bytes_by_device": [4, 6],
+                         "events": [event(2, "spill", 0, 4), event(3, "spill", 1, 8),
+                                    event(4, "reload", 1, 2)]}}
+
+
+def test_each_device_gets_its_own_timeline(tmp_path):
+    """The report plotted device 0 only: a process on device 1 (a DDP rank) got an empty plot."""
+    snap = two_device_snapshot()
+    assert report.devices(snap) == [0, 1]
+    assert report.series(snap, 0)["spilled"] == [0, 0, 4]
+    assert report.series(snap, 1)["spilled"] == [0, 0, 8, 6]
+    assert report.series(snap, 1)["allocated"][-1] - report.series(snap, 1)["allocated"][0] == 32
+
+    def png_height(path):
+        with open(path, "rb") as f:
+            header = f.read(24)
+        return int.from_bytes(header[20:24], "big")
+
+    both = report.plot([snap], [""], str(tmp_path / "both.png"))
+    one = report.plot([snap], [""], str(tmp_path / "one.png"), device=1)
+    assert png_height(both) > 1.8 * png_height(one)  # a panel per device
+
+
+def test_command_line_names_a_device_without_data(tmp_path):
+    import pickle
+    path = tmp_path / "snap.pickle"
+    with open(path, "wb") as f:
+        pickle.dump(two_device_snapshot(), f, protocol=4)
+    result = subprocess.run([sys.executable, "-m", "spillway.report", str(path), "--device", "3",
+                             "-o", str(tmp_path / "t.png")],
+                            env={**os.environ, "PYTHONPATH": BUILD_PY}, capture_output=True,
+                            text=True)
+    assert result.returncode == 2
+    assert "--device 3: no snapshot has data for it; devices with data: 0, 1" in result.stderr
+    result = subprocess.run([sys.executable, "-m", "spillway.report", str(path), "--device", "1",
+                             "-o", str(tmp_path / "t.png")],
+                            env={**os.environ, "PYTHONPATH": BUILD_PY}, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "t.png").exists()
