@@ -80,8 +80,11 @@ uint64_t KeptSaves::Add(const at::Tensor& tensor) {
   try {
     save.storage = tensor.storage().unsafeGetStorageImpl();
   } catch (const std::exception&) {
-    return 0;  // no storage to be had (a wrapper subclass)
+    return 0;  // no storage to be had (a wrapper subclass, in newer torch)
   }
+  // No memory: a wrapper subclass's empty storage (in torch 1.13), or an empty tensor. Neither
+  // reads memory Spillway could free.
+  if (save.storage->data() == nullptr) return 0;
   save.view.element_size = static_cast<size_t>(tensor.element_size());
   if (tensor.is_nested()) {
     // A nested tensor has no sizes or strides of its own: its view is the buffer it keeps whole.

@@ -53,7 +53,9 @@ class KeptSaves {
 };
 
 // A registration that lasts as long as the object: what a kept save holds. A sparse save is
-// registered by each of its components (indices and values): they hold its memory.
+// registered by each of its components (indices and values): they hold its memory. A tensor with
+// no memory of Spillway's to register (a wrapper subclass, whose data is in inner tensors) makes
+// an empty one.
 class KeptRegistration {
  public:
   KeptRegistration() = default;
@@ -61,6 +63,8 @@ class KeptRegistration {
   ~KeptRegistration();
   KeptRegistration(const KeptRegistration&) = delete;
   KeptRegistration& operator=(const KeptRegistration&) = delete;
+  // How many storages it registered.
+  size_t size() const { return tokens_.size(); }
 
  private:
   absl::InlinedVector<uint64_t, 1> tokens_;

@@ -147,7 +147,9 @@ PYBIND11_MODULE(_C, m) {
       });
   // What a save kept as it is in Python (a tensor subclass) holds: release() and keepers() see
   // the save as long as the object lives.
-  py::class_<tl::KeptRegistration>(m, "KeptRegistration").def(py::init<const at::Tensor&>());
+  py::class_<tl::KeptRegistration>(m, "KeptRegistration")
+      .def(py::init<const at::Tensor&>())
+      .def("__len__", &tl::KeptRegistration::size);
   m.def("pack", &tl::Pack);
   m.def("unpack", &tl::Unpack);
   m.def("forward_end", &tl::ForwardEnd);

@@ -142,16 +142,12 @@ class _Kept:
     autograd leaves that check to the hooks; and registered, so that release(), keepers(),
     residency() and snapshots see the save, as they see the C++ handle's."""
 
-    __slots__ = ("tensor", "version", "registration")
+    __slots__ = ("tensor", "version", "registrations")
 
     def __init__(self, tensor):
         self.tensor = tensor.detach()
         self.version = tensor._version
-        # A wrapper subclass has no storage of its own: nothing to register then.
-        try:
-            self.registration = _C.KeptRegistration(self.tensor)
-        except (RuntimeError, TypeError):
-            self.registration = None
+        self.registrations = _register_kept(self.tensor)
 
     def unpack(self):
         if self.tensor._version != self.version:
@@ -162,6 +158,24 @@ class _Kept:
                 "tensor was saved for backward (kept as it is by Spillway) and changed in place "
                 "afterwards.")
         return self.tensor
+
+
+def _register_kept(tensor):
+    """Registrations of the storages a kept save reads: its own, or, for a wrapper subclass
+    (DTensor, float8 and NF4 tensors; no storage of its own), those of the inner tensors its
+    __tensor_flatten__ names, wrappers within wrappers included."""
+    try:
+        own = _C.KeptRegistration(tensor)
+    except (RuntimeError, TypeError):  # a tensor whose parts cannot be read: nothing registered
+        own = None
+    if own is not None and len(own):
+        return [own]
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:  # nothing says where its data is: nothing to register
+        return []
+    names, _ = flatten()
+    inner = (getattr(tensor, name) for name in names)
+    return [r for t in inner if isinstance(t, torch.Tensor) for r in _register_kept(t)]
 
 
 def _pack(tensor):

@@ -405,6 +405,42 @@ def test_wrapper_subclass_saved_for_backward_is_kept_and_counted():
     assert torch.equal(grads[0], 2 * inner.exp())
 
 
+class FlatteningWrapper(Wrapper):
+    """The same wrapper with the traceable-subclass protocol DTensor and float8 tensors follow:
+    __tensor_flatten__ names the inner tensors that hold its data."""
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t):
+            return t.inner if isinstance(t, Wrapper) else t
+
+        def wrap(t):
+            return FlatteningWrapper(t) if isinstance(t, torch.Tensor) else t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        return tree_map(wrap, out)
+
+
+def test_a_saved_wrapper_keeps_its_inner_storage_from_release():
+    """A wrapper kept as it is reads its inner tensors' memory at backward: release() of an
+    inner tensor freed it unseen, and backward read freed memory."""
+    w = FlatteningWrapper(torch.randn(256, 256), requires_grad=True)
+    with spillway.offload("eager", min_bytes=0, prefetch_bytes=0):
+        y = w.exp()  # saves its output, a FlatteningWrapper
+    inner = y.inner
+    assert spillway.residency(inner) == "resident"
+    assert any(k["kind"] == "saved" for k in spillway.keepers(inner))
+    with pytest.raises(ValueError, match="kept as they are"):
+        spillway.release(inner)
+    y.sum().backward()
+    assert torch.equal(w.grad.inner, y.inner)  # d exp(x)/dx = exp(x), read intact
+    del y
+    assert spillway.residency(inner) is None  # backward let the save go
+
+
 DTENSOR_MODULE = next((m for m in ("torch.distributed.tensor", "torch.distributed._tensor")
                        if importlib.util.find_spec(m) is not None), None)
 
