@@ -366,7 +366,7 @@ class Wrapper(torch.Tensor):
             return t.inner if isinstance(t, Wrapper) else t
 
         def wrap(t):
-            return Wrapper(t) if isinstance(t, torch.Tensor) else t
+            return cls(t) if isinstance(t, torch.Tensor) else t
 
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
         return tree_map(wrap, out)
@@ -411,17 +411,6 @@ class FlatteningWrapper(Wrapper):
 
     def __tensor_flatten__(self):
         return ["inner"], None
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        def unwrap(t):
-            return t.inner if isinstance(t, Wrapper) else t
-
-        def wrap(t):
-            return FlatteningWrapper(t) if isinstance(t, torch.Tensor) else t
-
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
-        return tree_map(wrap, out)
 
 
 def test_a_saved_wrapper_keeps_its_inner_storage_from_release():
