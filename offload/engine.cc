@@ -153,9 +153,6 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
     ++stats_.num_entries;
   }
   Entry& e = *it->second;
-  // Saved again after other saves: backward reads it first at this save, so it counts from here
-  // (prefetch goes on from it; for the budget's spill order it is new).
-  if (e.seq != next_seq_ - 1) Resequence(e);
   // A spill waits for the stream of the latest save: the program wrote the storage there last
   // (the stream of an earlier save, whose graph may be gone, knows nothing of that write), and a
   // race-free program ordered that stream after every earlier write.
@@ -174,20 +171,6 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   }
   ++stats_.num_keepers;
   return id;
-}
-
-void OffloadEngine::Resequence(Entry& e) {
-  Window& w = windows_[static_cast<size_t>(e.device)];
-  const bool sized = w.sized.contains(e.seq);
-  if (sized) WindowRemove(e);
-  by_seq_.erase(e.seq);
-  const bool candidate = spill_candidates_.erase(e.seq) != 0;
-  const bool offloaded = offloaded_.erase(e.seq) != 0;
-  e.seq = next_seq_++;
-  by_seq_[e.seq] = &e;
-  if (candidate) spill_candidates_[e.seq] = &e;
-  if (offloaded) offloaded_[e.seq] = &e;
-  if (sized) WindowAdd(e);
 }
 
 OffloadEngine::Entry& OffloadEngine::EntryOf(KeeperId id) const {

@@ -311,8 +311,6 @@ class OffloadEngine {
   // device.
   void CountSpilled(const Entry& e, bool spilled);
   void WindowAdd(Entry& e);
-  // Gives `e` the next seq (a save of it after others), in every map keyed by seq.
-  void Resequence(Entry& e);
   void WindowRemove(const Entry& e);
   // Takes in older entries while they fit (after the window lost bytes, or from nothing).
   void WindowExtend(Window& w) const;
