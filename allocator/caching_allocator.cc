@@ -196,6 +196,8 @@ void CachingAllocator::DeliverStreamErrors(int device) {
   DispatchStreamErrors(At(device), /*rethrow=*/true);
 }
 
+uint64_t CachingAllocator::StreamErrorsFound(int device) { return At(device).StreamErrorsFound(); }
+
 void CachingAllocator::DispatchStreamErrors(DeviceAllocator& device, bool rethrow) {
   // Pending until this delivery is over: the observer may wait here for a lock held by a thread
   // that asks for the device's errors meanwhile (DeliverStreamErrors), and that thread must not

@@ -113,6 +113,10 @@ class CachingAllocator {
   // the observer throws comes out of here (the errors stay pending). Call it
   // with no allocator lock held.
   void DeliverStreamErrors(int device);
+  // How many stream errors `device`'s allocator has found (StreamError::found_by == device) so
+  // far: one numbered above what this returned before some work was enqueued was found after
+  // that work was, so it may be that work's own.
+  uint64_t StreamErrorsFound(int device);
 
   // Out-of-memory ladder step: see FreeMemoryCallback. Returns an id for removal.
   uint64_t AddFreeMemoryCallback(FreeMemoryCallback callback);

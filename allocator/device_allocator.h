@@ -143,6 +143,9 @@ class DeviceAllocator {
   std::vector<StreamError> PendingStreamErrors() const;
   // Drops the pending errors numbered up to `seq`: their delivery is over.
   void RetireStreamErrors(uint64_t seq);
+  // How many stream errors this allocator has found so far (the last StreamError::seq given).
+  // Waits for an error another thread has taken from the backend and is noting.
+  uint64_t StreamErrorsFound() const;
   int device() const { return device_; }
 
  private:

@@ -150,6 +150,11 @@ std::vector<StreamError> DeviceAllocator::PendingStreamErrors() const {
   return stream_errors_;
 }
 
+uint64_t DeviceAllocator::StreamErrorsFound() const {
+  std::lock_guard lock(mutex_);
+  return stream_errors_found_;
+}
+
 void DeviceAllocator::RetireStreamErrors(uint64_t seq) {
   std::lock_guard lock(mutex_);
   std::erase_if(stream_errors_, [&](const StreamError& error) { return error.seq <= seq; });

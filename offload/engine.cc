@@ -370,6 +370,7 @@ OffloadEngine::SpillResult OffloadEngine::Spill(Entry& e) {
     return {SpillOutcome::kNoHostMemory};
   }
   void* device_ptr = e.storage->data();
+  uint64_t errors_found_before = 0;
   try {
     // Spare again at once, whatever happens next: the wait captures the event when it is issued
     // (nothing takes an event between here and there), and a failed record must not leave it
@@ -379,7 +380,7 @@ OffloadEngine::SpillResult OffloadEngine::Spill(Entry& e) {
     RecordOnProgramStream(e.device, produced, e.producer);
     backend_.stream_wait_event(e.device, dc.d2h.handle, produced);
     if (e.copy_done == nullptr) e.copy_done = TakeEvent(dc);
-    IssueCopy(
+    errors_found_before = IssueCopy(
         e.device, Residency::kSpilling,
         [&] {
           backend_.memcpy_async(e.device, *host, device_ptr, e.nbytes, CopyKind::kDeviceToHost,
@@ -400,6 +401,7 @@ OffloadEngine::SpillResult OffloadEngine::Spill(Entry& e) {
   // must be able to fail this entry too.
   e.host = *host;
   e.state = Residency::kSpilling;
+  e.errors_found_before_copy = errors_found_before;
   offloaded_[e.seq] = &e;
   e.acquired = false;
   ++e.spill_count;
@@ -437,6 +439,7 @@ void OffloadEngine::Reload(Entry& e, StreamRef consumer) {
   const bool after_spill = e.state == Residency::kSpilling;
   EventHandle reload_done = e.copy_done;
   bool took_reload_done = false;
+  uint64_t errors_found_before = 0;
   try {
     // The block may have been used by earlier work on the consumer stream: the H2D copy must
     // not write into it before that work is done (DeepSpeed #8186).
@@ -449,7 +452,7 @@ void OffloadEngine::Reload(Entry& e, StreamRef consumer) {
       reload_done = TakeEvent(dc);
       took_reload_done = true;
     }
-    IssueCopy(
+    errors_found_before = IssueCopy(
         e.device, Residency::kReloading,
         [&] {
           backend_.memcpy_async(e.device, ptr, e.host, e.nbytes, CopyKind::kHostToDevice,
@@ -467,7 +470,9 @@ void OffloadEngine::Reload(Entry& e, StreamRef consumer) {
   if (after_spill) {
     e.spill_done = e.copy_done;
     e.copy_done = reload_done;
+    e.errors_found_before_spill = e.errors_found_before_copy;
   }
+  e.errors_found_before_copy = errors_found_before;
   if (e.state == Residency::kSpilling || e.state == Residency::kSpilled) {
     CountSpilled(e, false);
     Note(OffloadEvent::Kind::kReload, e);

@@ -216,7 +216,11 @@ class OffloadEngine {
   // Ends `e`'s being a prefetch (acquired, given back, failed or dropped); false if it was none.
   bool EndPrefetch(Entry& e);
   void MarkFailed(Entry& e, const std::string& why);
-  void FailInFlight(int device, Residency in_flight, const std::string& why);
+  // Fails the entries whose copy is in flight in direction `in_flight` on `device`. A failure the
+  // device's allocator found (`found_seq`, its StreamError::seq) spares the copies enqueued
+  // after it was found: it belongs to an earlier one.
+  void FailInFlight(int device, Residency in_flight, const std::string& why,
+                    std::optional<uint64_t> found_seq = std::nullopt);
   void OnStreamError(const StreamError& error);
   // kSpilling for `device`'s copy-out stream, kReloading for its copy-back stream, else none.
   std::optional<Residency> CopyDirectionOf(int device, uint64_t stream_id);
@@ -234,8 +238,10 @@ class OffloadEngine {
   void CountSkipOf(Entry& e, std::string_view reason);
   // Enqueues `copy` and then `record` (its done event) on the engine's copy stream for
   // `direction` (kSpilling: device to host), sorting out failures of earlier copies found there.
-  void IssueCopy(int device, Residency direction, absl::FunctionRef<void()> copy,
-                 absl::FunctionRef<void()> record);
+  // Returns the allocator's count of stream errors found just before the copy was enqueued (for
+  // Entry::errors_found_before_copy).
+  [[nodiscard]] uint64_t IssueCopy(int device, Residency direction, absl::FunctionRef<void()> copy,
+                                   absl::FunctionRef<void()> record);
   // Runs `call` into the device's pinned pool; a failure of earlier copies it hears of fails
   // the copies in flight (FailInFlight, both directions), and the call returns false.
   bool PoolCall(int device, absl::FunctionRef<void()> call);

@@ -28,17 +28,25 @@ void OffloadEngine::MarkFailed(Entry& e, const std::string& why) {
   e.failure = why;
 }
 
-void OffloadEngine::FailInFlight(int device, Residency in_flight, const std::string& why) {
+void OffloadEngine::FailInFlight(int device, Residency in_flight, const std::string& why,
+                                 std::optional<uint64_t> found_seq) {
   // A backend reports a failed asynchronous copy to whoever looks first, not necessarily for
   // the copy that failed. Any copy in flight in that direction may be the one: none of their
-  // bytes can be trusted, and an error at use beats silently wrong data.
+  // bytes can be trusted, and an error at use beats silently wrong data. Only a copy enqueued
+  // after the failure was found cannot be it (the allocator found it while this engine was
+  // issuing that copy, and passed it on after).
+  const auto enqueued_before_found = [&](uint64_t errors_found_before) {
+    return !found_seq.has_value() || errors_found_before < *found_seq;
+  };
   for (auto& [seq, entry] : by_seq_) {
     if (entry->device != device) continue;
     // A reload issued while its spill was still copying reads what that spill wrote.
-    const bool reads_a_spill = in_flight == Residency::kSpilling &&
-                               entry->state == Residency::kReloading &&
-                               entry->spill_done != nullptr;
-    if (entry->state == in_flight || reads_a_spill) MarkFailed(*entry, why);
+    const bool reads_a_spill =
+        in_flight == Residency::kSpilling && entry->state == Residency::kReloading &&
+        entry->spill_done != nullptr && enqueued_before_found(entry->errors_found_before_spill);
+    const bool its_copy =
+        entry->state == in_flight && enqueued_before_found(entry->errors_found_before_copy);
+    if (its_copy || reads_a_spill) MarkFailed(*entry, why);
   }
 }
 
@@ -60,7 +68,11 @@ void OffloadEngine::OnStreamError(const StreamError& error) {
     // A failure on another stream is the program's own (or a stream no copy of the engine's
     // ran on): no entry's.
     if (const auto direction = CopyDirectionOf(error.device, error.stream)) {
-      FailInFlight(error.device, *direction, error.message);
+      // Copies record the count of the allocator of their own device: another's numbers say
+      // nothing of them.
+      const std::optional<uint64_t> found_seq =
+          error.found_by == error.device ? std::optional<uint64_t>(error.seq) : std::nullopt;
+      FailInFlight(error.device, *direction, error.message, found_seq);
     }
   }
   // Only now: should the above throw, the error is told again (it stays pending) and acted on.
@@ -88,8 +100,8 @@ void OffloadEngine::TakeHeardFailures(int device) {
   allocator_.DeliverStreamErrors(device);
 }
 
-void OffloadEngine::IssueCopy(int device, Residency direction, absl::FunctionRef<void()> copy,
-                              absl::FunctionRef<void()> record) {
+uint64_t OffloadEngine::IssueCopy(int device, Residency direction, absl::FunctionRef<void()> copy,
+                                  absl::FunctionRef<void()> record) {
   // A copy that failed earlier on the stream is reported (once) to whichever call comes next,
   // and that call has no effect. The failure belongs to the copies in flight there (which one is
   // not known): they fail, every time one is heard of, and what did not take effect is issued
@@ -97,12 +109,18 @@ void OffloadEngine::IssueCopy(int device, Residency direction, absl::FunctionRef
   // source is still intact). A few rounds at most: each one settles a failure of its own.
   constexpr int kMaxRounds = 4;
   bool copied = false;
+  uint64_t errors_found_before = 0;
   for (int round = 1;; ++round) {
     try {
-      if (!copied) copy();
+      if (!copied) {
+        // Read first: a failure found between this read and the copy is blamed on it too
+        // (wrongly, but safely); read after, one of the copy's own could pass unblamed.
+        errors_found_before = allocator_.StreamErrorsFound(device);
+        copy();
+      }
       copied = true;
       record();
-      return;
+      return errors_found_before;
     } catch (const BackendError& error) {
       if (!error.earlier_work()) throw;
       FailInFlight(device, direction, error.what());

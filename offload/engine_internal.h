@@ -72,6 +72,11 @@ struct OffloadEngine::Entry {
   // Reloaded while still spilling: the D2H copy the reload reads from, until seen complete. Its
   // failure fails the entry although it is reloading by then (FailInFlight).
   EventHandle spill_done = nullptr;
+  // How many stream errors the device's allocator had found (CachingAllocator::StreamErrorsFound)
+  // just before the latest copy (and the spill_done copy) was enqueued: a failure it found
+  // later, and passed on, may be that copy's; one it found before was an earlier copy's.
+  uint64_t errors_found_before_copy = 0;
+  uint64_t errors_found_before_spill = 0;
   // kFailed: the state the failure interrupted, so that dropping the entry still orders reuse of
   // its block and host buffer after a copy that may be running (FailInFlight fails every copy in
   // flight in one direction, the healthy ones too).

@@ -207,21 +207,6 @@ TEST_F(OffloadCopyFailure, OffloadWaitResidentReportsAFailedReload) {
   DropAllAndExpectNoLeaks({ida, idb});
 }
 
-// The allocator can be the first to hear of a spill's failure (its event for the block the spill
-// gave back), inside the out-of-memory ladder, which then asks the engine for memory before the
-// failure is passed on: the engine gives back a prefetch that read from that spill. It must hear
-// of the failure before it trusts the copy, or the entry passes for spilled with a host buffer
-// The same failure heard on another thread: an allocation there found it (its wait for a's old
-// block), and waits to pass it on while the engine, on this thread, waits for another copy under
-// its lock and then looks at a's. The failure is still pending until passed on, and the engine
-// The other order: the engine takes a failure that another thread found and is still passing
-// on, then issues a spill, and that thread's delivery comes after. The failure was acted on
-// The pinned pool polls the buffers that wait for each copy stream, and each stream's failure is
-// heard once: a spill's allocation can hear of one stream's failure, and its second try of the
-// The pinned pool polls the buffers freed for a copy stream, and can be the first to hear of a
-// failed copy there: it knows which stream that was. A spill's failure, heard so, fails the
-// A failure the ladder heard before it asked the engine for memory belongs to the copies in
-// flight then; the spills the rescue issues afterwards are healthy. Passed on only when the
 // One reload's failure fails every reload in flight, healthy ones included (which one failed is
 // not known). A healthy one still queued, that no stream waits for yet (a prefetch's, say), must
 // keep its block until its copy has run: dropped now, its block is handed out again, and the copy

@@ -66,6 +66,50 @@ class OffloadHeardMidway : public OffloadHeardFailure {
   std::shared_ptr<StallingSimBackend> stalling_;
 };
 
+// A simulated device that tells the test when a query took a failure from it (`heard`); the
+// caller notes it under its allocator lock, which every later look at the noted errors takes.
+// Armed with a stream (`pause_waits_on`), its next wait enqueued there waits until then.
+class SignallingSimBackend : public SimBackend {
+ public:
+  using SimBackend::SimBackend;
+  bool query_event(int device, EventHandle event) override {
+    try {
+      return SimBackend::query_event(device, event);
+    } catch (const BackendError&) {
+      heard = true;
+      throw;
+    }
+  }
+  void stream_wait_event(int device, StreamHandle stream, EventHandle event) override {
+    if (pause_waits_on.load() == stream) {
+      pause_waits_on = nullptr;
+      paused = true;
+      EXPECT_TRUE(Await(heard)) << "no query heard of the failure";
+    }
+    SimBackend::stream_wait_event(device, stream, event);
+  }
+  // Waits (up to 20 s, so that a test that goes wrong fails rather than hangs) for `flag`.
+  static bool Await(const std::atomic<bool>& flag) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!flag.load()) {
+      if (std::chrono::steady_clock::now() > deadline) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return true;
+  }
+  std::atomic<bool> heard{false}, paused{false};
+  std::atomic<StreamHandle> pause_waits_on{nullptr};
+};
+
+class OffloadHeardSignalled : public OffloadHeardFailure {
+ protected:
+  std::shared_ptr<SimBackend> NewBackend(const SimBackend::Options& options) override {
+    signalling_ = std::make_shared<SignallingSimBackend>(options);
+    return signalling_;
+  }
+  std::shared_ptr<SignallingSimBackend> signalling_;
+};
+
 // Another thread's allocator call has taken a spill's failure from the copy stream and not noted
 // it yet when the engine looks at that copy: the stream has nothing more to tell the engine, and
 // the failure is on its way. The engine must wait for it rather than trust the copy (the entry
@@ -118,6 +162,10 @@ TEST_F(OffloadHeardLate, OffloadADropThatHearsItsSpillFailedCountsItOnce) {
   DropAllAndExpectNoLeaks({idb});
 }
 
+// The allocator can be the first to hear of a spill's failure (its event for the block the spill
+// gave back), inside the out-of-memory ladder, which then asks the engine for memory before the
+// failure is passed on: the engine gives back a prefetch that read from that spill. It must hear
+// of the failure before it trusts the copy, or the entry passes for spilled with a host buffer
 // that was never filled, and a later reload returns whatever it held.
 TEST_F(OffloadHeardFailure, OffloadAFailureTheLadderHeardFailsThePrefetchThatReadIt) {
   OffloadConfig config = Policy(OffloadPolicy::kEager);
@@ -154,6 +202,9 @@ TEST_F(OffloadHeardFailure, OffloadAFailureTheLadderHeardFailsThePrefetchThatRea
   DropAllAndExpectNoLeaks({ida, idb});
 }
 
+// The same failure heard on another thread: an allocation there found it (its wait for a's old
+// block), and waits to pass it on while the engine, on this thread, waits for another copy under
+// its lock and then looks at a's. The failure is still pending until passed on, and the engine
 // must take it: a must fail, not pass for resident with a host buffer that was never filled.
 TEST_F(OffloadHeardFailure, OffloadAFailureAnotherThreadIsPassingOnFailsTheReloadThatReadIt) {
   OffloadConfig config = Policy(OffloadPolicy::kEager);
@@ -206,8 +257,10 @@ TEST_F(OffloadHeardFailure, OffloadAFailureAnotherThreadIsPassingOnFailsTheReloa
   DropAllAndExpectNoLeaks({idx, ida});
 }
 
+// The other order: the engine takes a failure that another thread found and is still passing
+// on, then issues a spill, and that thread's delivery comes after. The failure was acted on
 // already: told again, the engine must not fail the new spill, which came after it.
-TEST_F(OffloadHeardFailure, OffloadAFailureToldTwiceIsActedOnOnce) {
+TEST_F(OffloadHeardSignalled, OffloadAFailureToldTwiceIsActedOnOnce) {
   OffloadConfig config = Policy(OffloadPolicy::kEager);
   config.prefetch_bytes = 0;
   Make(config, 64 * kMiB, std::chrono::microseconds{0});
@@ -220,22 +273,24 @@ TEST_F(OffloadHeardFailure, OffloadAFailureToldTwiceIsActedOnOnce) {
   const StreamRef side = backend_->create_stream(0);
   auto side_hold = backend_->hold_stream(0, side.handle);
   c->holders = 0;
-  // The save of c holds the engine's lock while its storage is made (slowly, here): meanwhile an
-  // allocation hears of the failure and waits for that lock to pass it on. The save's policy run
-  // then takes the failure, and spills c.
+  // The save of c holds the engine's lock while its storage is made, until an allocation has
+  // heard of the failure; that allocation then waits for the lock to pass it on. The save's
+  // policy run takes the failure first, and spills c.
   KeeperId idc = 0;
+  std::atomic<bool> making{false};
   std::thread saver([&] {
     idc = engine_
               ->AddKeeper(
                   c.get(),
                   [&] {
-                    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+                    making = true;
+                    EXPECT_TRUE(SignallingSimBackend::Await(signalling_->heard));
                     return c;
                   },
                   FloatView(c->nbytes()), side)
               .value();
   });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ASSERT_TRUE(SignallingSimBackend::Await(making));
   void* p = allocator_->Malloc(kMiB, 0, compute_);  // polls a's old block: hears of the failure
   saver.join();
   EXPECT_EQ(StateOf(a), Residency::kFailed);
@@ -250,6 +305,49 @@ TEST_F(OffloadHeardFailure, OffloadAFailureToldTwiceIsActedOnOnce) {
   DropAllAndExpectNoLeaks({ida, idc});
 }
 
+// The allocator hears of a failed spill while the engine is issuing a later one: after the
+// engine last asked for failures, before the copy is enqueued. It passes the failure on once the
+// engine's lock is free, with the later copy in flight; that copy came after the failure was
+// found, so it is not the failed one and its entry keeps its bytes (it was failed, and the
+// storage passed for lost).
+TEST_F(OffloadHeardSignalled, OffloadAFailureFoundBeforeACopyWasEnqueuedSparesIt) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 0;
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 93);
+  std::shared_ptr<TestStorage> c = NewStorage(2 * kMiB, 94);  // made before anyone can hear
+  const KeeperId ida = Save(a);
+  ASSERT_NO_FATAL_FAILURE(SpillByACopyNobodyHearsFail(*a));
+  const StreamRef side = backend_->create_stream(0);
+  auto side_hold = backend_->hold_stream(0, side.handle);  // c's spill stays in flight
+  c->holders = 0;
+  // c's spill, issued under the engine's lock, waits (for its producer) on the copy-out stream:
+  // there it pauses until an allocation has heard of a's failure.
+  signalling_->pause_waits_on = engine_->d2h_stream_for_testing(0).handle;
+  KeeperId idc = 0;
+  std::thread saver([&] {
+    idc = engine_
+              ->AddKeeper(
+                  c.get(), [&] { return c; }, FloatView(c->nbytes()), side)
+              .value();
+  });
+  ASSERT_TRUE(SignallingSimBackend::Await(signalling_->paused));
+  void* p = allocator_->Malloc(kMiB, 0, compute_);  // hears of a's failure; passes it on after
+  saver.join();
+  EXPECT_EQ(StateOf(a), Residency::kFailed);
+  ASSERT_EQ(StateOf(c), Residency::kSpilling) << "a failure found before c's spill failed it";
+  side_hold->Open();
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(c), Residency::kSpilled);
+  EXPECT_EQ(AcquireAndRead(idc, 2 * kMiB), Pattern(2 * kMiB, 94));
+  allocator_->Free(p);
+  a.reset();
+  c.reset();
+  DropAllAndExpectNoLeaks({ida, idc});
+}
+
+// The pinned pool polls the buffers that wait for each copy stream, and each stream's failure is
+// heard once: a spill's allocation can hear of one stream's failure, and its second try of the
 // other's. Neither is the spill's, nor its caller's: the spill is not made now, nothing escapes.
 TEST_F(OffloadHeardFailure, OffloadASpillWhosePoolHearsTwoFailuresIsSkipped) {
   accesses_follow_streams_ = true;  // dropping a's queued reload must not wait for it on the host
@@ -302,6 +400,8 @@ TEST_F(OffloadHeardFailure, OffloadASpillWhosePoolHearsTwoFailuresIsSkipped) {
   DropAllAndExpectNoLeaks({idc, idd});
 }
 
+// The pinned pool polls the buffers freed for a copy stream, and can be the first to hear of a
+// failed copy there: it knows which stream that was. A spill's failure, heard so, fails the
 // spills in flight, not a healthy reload in flight on the other stream.
 TEST_F(OffloadHeardFailure, OffloadASpillsFailureThePoolHearsSparesReloads) {
   accesses_follow_streams_ = true;  // dropping c's queued spill must not wait for it on the host
@@ -352,6 +452,8 @@ TEST_F(OffloadHeardFailure, OffloadASpillsFailureThePoolHearsSparesReloads) {
   DropAllAndExpectNoLeaks({ida, idd});
 }
 
+// A failure the ladder heard before it asked the engine for memory belongs to the copies in
+// flight then; the spills the rescue issues afterwards are healthy. Passed on only when the
 // rescue waited for its spills, it failed them too.
 TEST_F(OffloadHeardFailure, OffloadAFailureTheLadderHeardSparesTheRescuesOwnSpills) {
   OffloadConfig config = Policy(OffloadPolicy::kEager);
