@@ -117,6 +117,7 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   }
   EngineLock lock(mutex_);
   auto it = entries_.find(key);
+  uint64_t save_seq = 0;  // see Keeper
   if (it == entries_.end()) {
     std::shared_ptr<Storage> storage = make_storage();
     if (storage == nullptr) {
@@ -151,6 +152,9 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
     by_seq_[entry->seq] = entry.get();
     it = entries_.emplace(key, std::move(entry)).first;
     ++stats_.num_entries;
+    save_seq = it->second->seq;
+  } else {
+    save_seq = next_seq_++;  // saved before: this save comes after every save made since
   }
   Entry& e = *it->second;
   // A spill waits for the stream of the latest save: the program wrote the storage there last
@@ -162,7 +166,7 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   if (config_.policy == OffloadPolicy::kOff) e.saved_under_off = true;
   const KeeperId id = next_keeper_++;
   e.keepers.emplace(id, std::move(view));
-  keepers_[id] = &e;
+  keepers_[id] = Keeper{&e, save_seq};
   try {
     RunPolicy();
   } catch (...) {
@@ -173,19 +177,19 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   return id;
 }
 
-OffloadEngine::Entry& OffloadEngine::EntryOf(KeeperId id) const {
+const OffloadEngine::Keeper& OffloadEngine::KeeperOf(KeeperId id) const {
   auto it = keepers_.find(id);
   if (it == keepers_.end()) {
     throw InvalidArgumentError(absl::StrFormat(
         "offload keeper %d is not registered (released already, or never added)", id));
   }
-  return *it->second;
+  return it->second;
 }
 
 std::shared_ptr<Storage> OffloadEngine::StorageOf(KeeperId id) const {
   EngineLock lock(mutex_);
   auto it = keepers_.find(id);
-  return it == keepers_.end() ? nullptr : it->second->storage;
+  return it == keepers_.end() ? nullptr : it->second.entry->storage;
 }
 
 void OffloadEngine::WaitResident(KeeperId id) {
@@ -487,7 +491,9 @@ void OffloadEngine::Reload(Entry& e, StreamRef consumer) {
 
 void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
   EngineLock lock(mutex_);
-  Entry& e = EntryOf(id);
+  const Keeper& keeper = KeeperOf(id);
+  Entry& e = *keeper.entry;
+  const uint64_t save_seq = keeper.save_seq;  // read now: the policy runs below may add keepers
   TakeHeardFailures(e.device);  // before a reload is issued, which they would fail too
   Refresh(e);
   switch (e.state) {
@@ -521,7 +527,7 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
   }
   e.acquiring = true;
   try {
-    Prefetch(e.device, e.seq, consumer);
+    Prefetch(e.device, save_seq, consumer);
   } catch (...) {
     e.acquiring = false;
     throw;

@@ -185,8 +185,18 @@ class OffloadEngine {
   struct Entry;
   struct DeviceContext;
 
+  // A registered keeper: its entry, and the seq of the save that made it. A storage's first save
+  // takes the entry's seq; a later save of it takes the next seq then: backward reads the
+  // storage first at its latest save, and prefetch goes on from the save being read.
+  struct Keeper {
+    Entry* entry = nullptr;
+    uint64_t save_seq = 0;
+  };
+
   DeviceContext& Device(int device);
-  Entry& EntryOf(KeeperId id) const;
+  // The keeper `id`, or InvalidArgumentError when it is not registered.
+  const Keeper& KeeperOf(KeeperId id) const;
+  Entry& EntryOf(KeeperId id) const { return *KeeperOf(id).entry; }
   // Settles a spilling or reloading entry whose copy has completed; with `wait`, blocks the host
   // until it has. A failed copy makes the entry kFailed.
   void Refresh(Entry& e, bool wait = false);
@@ -290,7 +300,7 @@ class OffloadEngine {
   OffloadConfig config_;
   std::vector<std::unique_ptr<DeviceContext>> devices_;
   absl::flat_hash_map<const void*, std::unique_ptr<Entry>> entries_;
-  absl::flat_hash_map<KeeperId, Entry*> keepers_;
+  absl::flat_hash_map<KeeperId, Keeper> keepers_;
   absl::btree_map<uint64_t, Entry*> by_seq_;  // save order
   // Per allocator that found them, the number (StreamError::seq) of the last copy-stream failure
   // acted on: one can be told more than once, and acting twice would fail later, healthy copies.

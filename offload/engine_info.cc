@@ -38,7 +38,7 @@ std::optional<EntryInfo> OffloadEngine::DescribeKeeper(KeeperId id) const {
   EngineLock lock(mutex_);
   auto it = keepers_.find(id);
   if (it == keepers_.end()) return std::nullopt;
-  return Describe(it->second->key);
+  return Describe(it->second.entry->key);
 }
 
 std::vector<const void*> OffloadEngine::EntryKeys() const {

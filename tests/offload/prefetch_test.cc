@@ -77,6 +77,48 @@ TEST_F(OffloadPrefetchTest, OffloadPrefetchReloadsAheadInReverseSaveOrder) {
   EXPECT_EQ(EngineStat("num_stalls"), 1);
 }
 
+// A storage saved again later in forward (a mask or a residual every layer saves) is read first at
+// that later save's backward: prefetch goes on from there, as from any save made then (it went on
+// from the first save, and the saves made between stalled). Each keeper keeps its own save's
+// place: an older graph's backward reads its own saves, never a newer graph's.
+TEST_F(OffloadPrefetchTest, OffloadAStorageSavedAgainPrefetchesFromTheSaveBeingRead) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 4 * kMiB;
+  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  auto shared = NewStorage(2 * kMiB, 100);
+  const KeeperId first = Save(shared);
+  std::vector<std::shared_ptr<TestStorage>> saved;
+  std::vector<KeeperId> ids;
+  for (uint32_t i = 0; i < 4; ++i) {
+    saved.push_back(NewStorage(2 * kMiB, i));
+    ids.push_back(Save(saved.back()));
+    saved.back()->holders = 0;
+  }
+  const KeeperId again = Save(shared);
+  shared->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(shared), Residency::kSpilled);
+  // Backward reads the latest save first; the two saves made before it come back meanwhile.
+  void* ptr = engine_->Acquire(again, compute_);
+  EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, 100));
+  EXPECT_NE(StateOf(saved[3]), Residency::kSpilled);
+  EXPECT_NE(StateOf(saved[2]), Residency::kSpilled);
+  EXPECT_EQ(StateOf(saved[1]), Residency::kSpilled);
+  engine_->RemoveKeeper(again);
+  engine_->Synchronize();
+  for (int i = 3; i >= 0; --i) {
+    const auto k = static_cast<size_t>(i);
+    void* p = engine_->Acquire(ids[k], compute_);
+    EXPECT_EQ(ReadOn(compute_, p, 2 * kMiB), Pattern(2 * kMiB, static_cast<uint32_t>(i)));
+    engine_->RemoveKeeper(ids[k]);
+    engine_->Synchronize();
+  }
+  ptr = engine_->Acquire(first, compute_);
+  EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, 100));
+  EXPECT_EQ(EngineStat("num_stalls"), 1);
+}
+
 // Two views of one storage acquired while its reload runs: one reload, one stall, timed from the
 // first acquire (the second counted another stall and restarted the clock).
 TEST_F(OffloadPrefetchTest, OffloadTwoViewsAcquiredDuringOneReloadAreOneStall) {
