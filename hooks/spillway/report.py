@@ -32,6 +32,11 @@ def devices(snapshot):
     return sorted(found) or [0]
 
 
+def devices_of(snapshots):
+    """The devices any of the snapshots has anything for, in order (see devices)."""
+    return sorted({d for snap in snapshots for d in devices(snap)})
+
+
 def series(snapshot, device=0):
     """Timelines from the snapshot's history: a dict of lists `t` (seconds from the first event),
     `allocated` (bytes requested by live allocations, as the history and memory_viz count them),
@@ -186,8 +191,7 @@ def plot(snapshots, labels, path, device=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [device] if device is not None else sorted(
-        {d for snap in snapshots for d in devices(snap)})
+    shown = [device] if device is not None else devices_of(snapshots)
     fig, axes = plt.subplots(len(shown), 1, figsize=(9, 4.8 * len(shown)), squeeze=False)
     styles = ["-", "--"]
     for d, ax in zip(shown, axes[:, 0]):
@@ -253,10 +257,9 @@ def main(argv=None):
                   "spillway.dump_snapshot)", file=sys.stderr)
             return 2
         snaps.append(snap)
-    if args.device is not None and not any(args.device in devices(snap) for snap in snaps):
+    if args.device is not None and args.device not in devices_of(snaps):
         parser.error(f"--device {args.device}: no snapshot has data for it; devices with data: "
-                     + ", ".join(str(d) for d in sorted({d for snap in snaps
-                                                         for d in devices(snap)})))
+                     + ", ".join(str(d) for d in devices_of(snaps)))
     texts = []
     for path, snap in zip(args.snapshots, snaps):
         # The right keys with the wrong contents (a hand-made or damaged file): one line, as for
