@@ -117,7 +117,6 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   }
   EngineLock lock(mutex_);
   auto it = entries_.find(key);
-  uint64_t save_seq = 0;  // see Keeper
   if (it == entries_.end()) {
     std::shared_ptr<Storage> storage = make_storage();
     if (storage == nullptr) {
@@ -152,11 +151,12 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
     by_seq_[entry->seq] = entry.get();
     it = entries_.emplace(key, std::move(entry)).first;
     ++stats_.num_entries;
-    save_seq = it->second->seq;
-  } else {
-    save_seq = next_seq_++;  // saved before: this save comes after every save made since
   }
   Entry& e = *it->second;
+  // Saved before, and other saves since: backward reads it first at this save. Auto's spill order
+  // and window take it as new (it kept its first save's place, outside the window, and went
+  // first); older keepers keep their seqs, so each backward prefetches from its own save.
+  if (e.seq != next_seq_ - 1) Resequence(e);
   // A spill waits for the stream of the latest save: the program wrote the storage there last
   // (the stream of an earlier save, whose graph may be gone, knows nothing of that write), and a
   // race-free program ordered that stream after every earlier write.
@@ -166,7 +166,7 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   if (config_.policy == OffloadPolicy::kOff) e.saved_under_off = true;
   const KeeperId id = next_keeper_++;
   e.keepers.emplace(id, std::move(view));
-  keepers_[id] = Keeper{&e, save_seq};
+  keepers_[id] = Keeper{&e, e.seq};
   try {
     RunPolicy();
   } catch (...) {
@@ -175,6 +175,20 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   }
   ++stats_.num_keepers;
   return id;
+}
+
+void OffloadEngine::Resequence(Entry& e) {
+  Window& w = windows_[static_cast<size_t>(e.device)];
+  const bool sized = w.sized.contains(e.seq);
+  if (sized) WindowRemove(e);
+  by_seq_.erase(e.seq);
+  const bool candidate = spill_candidates_.erase(e.seq) != 0;
+  const bool offloaded = offloaded_.erase(e.seq) != 0;
+  e.seq = next_seq_++;
+  by_seq_[e.seq] = &e;
+  if (candidate) spill_candidates_[e.seq] = &e;
+  if (offloaded) offloaded_[e.seq] = &e;
+  if (sized) WindowAdd(e);
 }
 
 const OffloadEngine::Keeper& OffloadEngine::KeeperOf(KeeperId id) const {

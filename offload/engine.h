@@ -185,9 +185,9 @@ class OffloadEngine {
   struct Entry;
   struct DeviceContext;
 
-  // A registered keeper: its entry, and the seq of the save that made it. A storage's first save
-  // takes the entry's seq; a later save of it takes the next seq then: backward reads the
-  // storage first at its latest save, and prefetch goes on from the save being read.
+  // A registered keeper: its entry, and the seq of the save that made it (the entry's seq then;
+  // a later save of the storage moves the entry to a new seq, see Resequence). Backward reads
+  // the storage at this save: prefetch goes on from the save being read.
   struct Keeper {
     Entry* entry = nullptr;
     uint64_t save_seq = 0;
@@ -327,6 +327,8 @@ class OffloadEngine {
   // device.
   void CountSpilled(const Entry& e, bool spilled);
   void WindowAdd(Entry& e);
+  // Gives `e` the next seq (a save of it after others), in every map keyed by seq.
+  void Resequence(Entry& e);
   void WindowRemove(const Entry& e);
   // Takes in older entries while they fit (after the window lost bytes, or from nothing).
   void WindowExtend(Window& w) const;

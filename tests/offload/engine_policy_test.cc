@@ -101,6 +101,34 @@ TEST_F(OffloadPolicyTest, OffloadAutoKeepsAllocatedUnderBudget) {
   EXPECT_EQ(StateOf(layer_outputs.back()), Residency::kResident);
 }
 
+// A storage saved early and again late in forward (a mask, a residual every layer reads) is read
+// first in backward, at its latest save: auto keeps it with the newest saves, not the oldest it
+// spills first (it kept its first save's place, and backward began with a stall).
+TEST_F(OffloadPolicyTest, OffloadAutoTakesAStorageSavedAgainAsNew) {
+  OffloadConfig config = Policy(OffloadPolicy::kAuto);
+  config.budget_bytes = 16 * kMiB;
+  config.prefetch_bytes = 8 * kMiB;
+  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  auto shared = NewStorage(4 * kMiB, 100);  // in use all forward long
+  Save(shared);
+  std::vector<std::shared_ptr<TestStorage>> layers;
+  for (uint32_t i = 0; i < 4; ++i) {
+    layers.push_back(NewStorage(4 * kMiB, i));
+    Save(layers.back());
+    layers.back()->holders = 0;
+  }
+  Save(shared);
+  shared->holders = 0;
+  layers.push_back(NewStorage(4 * kMiB, 4));
+  Save(layers.back());  // over the budget: the oldest outside the window go
+  layers.back()->holders = 0;
+  engine_->ForwardEnd();
+  EXPECT_EQ(StateOf(shared), Residency::kResident);
+  EXPECT_EQ(StateOf(layers[4]), Residency::kResident);
+  EXPECT_NE(StateOf(layers[0]), Residency::kResident);
+  EXPECT_NE(StateOf(layers[1]), Residency::kResident);
+}
+
 TEST_F(OffloadPolicyTest, OffloadAutoDoesNothingUnderBudget) {
   OffloadConfig config = Policy(OffloadPolicy::kAuto);
   config.budget_bytes = 200 * kMiB;
