@@ -26,6 +26,9 @@ size_t RoundUpToAlignment(size_t bytes) {
 
 size_t CopyKindIndex(CopyKind kind) { return static_cast<size_t>(kind); }
 
+// Set on streams' worker threads: a wait there is a stream's, not the host's.
+thread_local bool on_stream_worker = false;
+
 }  // namespace
 
 // One simulated stream: a FIFO of ops run by a dedicated worker thread.
@@ -72,14 +75,20 @@ class SimBackend::Stream {
 
   void WaitFor(uint64_t position) {
     std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [&] { return completed_ >= position; });
+    BlockUntil(lock, position);
   }
 
   // Waits for everything enqueued before this call.
   void Drain() {
     std::unique_lock<std::mutex> lock(mu_);
-    const uint64_t target = enqueued_;
-    done_cv_.wait(lock, [&] { return completed_ >= target; });
+    BlockUntil(lock, enqueued_);
+  }
+
+  // Threads blocked until this stream reaches a position it has not reached yet: the host's, and
+  // other streams' workers running a wait on one of its events (`host_only`: not those).
+  int Waiters(bool host_only) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return host_only ? host_waiters_ : host_waiters_ + stream_waiters_;
   }
 
   // Returns and clears the sticky error, if any.
@@ -102,6 +111,7 @@ class SimBackend::Stream {
 
  private:
   void Run() {
+    on_stream_worker = true;
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
@@ -119,6 +129,14 @@ class SimBackend::Stream {
       ++completed_;
       done_cv_.notify_all();
     }
+  }
+
+  void BlockUntil(std::unique_lock<std::mutex>& lock, uint64_t position) {
+    if (completed_ >= position) return;
+    int& waiters = on_stream_worker ? stream_waiters_ : host_waiters_;
+    ++waiters;
+    done_cv_.wait(lock, [&] { return completed_ >= position; });
+    --waiters;
   }
 
   // Only the worker touches `rng_`.
@@ -139,6 +157,8 @@ class SimBackend::Stream {
   std::deque<Op> queue_;
   uint64_t enqueued_ = 0;
   uint64_t completed_ = 0;
+  int host_waiters_ = 0;
+  int stream_waiters_ = 0;
   bool stopping_ = false;
   std::optional<std::string> sticky_error_;
 
@@ -510,18 +530,41 @@ void SimBackend::StreamGate::Open() {
   cv_.notify_all();
 }
 
-void SimBackend::StreamGate::Wait() {
+void SimBackend::StreamGate::Wait(const std::function<bool()>& waited) {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [this] { return open_; });
+  if (!waited) {
+    cv_.wait(lock, [this] { return open_; });
+    return;
+  }
+  while (!open_) {
+    if (cv_.wait_for(lock, std::chrono::milliseconds(1), [this] { return open_; })) return;
+    lock.unlock();
+    const bool now = waited();  // without the gate's lock: it takes the stream's
+    lock.lock();
+    if (now && !open_) open_ = opened_by_wait_ = true;
+  }
+}
+
+bool SimBackend::StreamGate::opened_by_wait() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return opened_by_wait_;
 }
 
 std::unique_ptr<SimBackend::StreamHold> SimBackend::hold_stream(int device,
-                                                                StreamHandle stream_handle) {
+                                                                StreamHandle stream_handle,
+                                                                HoldRelease release) {
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<Stream> stream = FindStreamLocked("hold_stream", device, stream_handle);
   auto gate = std::make_shared<StreamGate>();
-  stream->Enqueue([gate] {
-    gate->Wait();
+  std::function<bool()> waited;
+  if (release != HoldRelease::kByOwner) {
+    // Raw: the op runs on the stream's own worker, which the stream outlives.
+    waited = [held = stream.get(), host_only = release == HoldRelease::kWhenHostWaits] {
+      return held->Waiters(host_only) > 0;
+    };
+  }
+  stream->Enqueue([gate, waited = std::move(waited)] {
+    gate->Wait(waited);
     return std::optional<std::string>();
   });
   return std::make_unique<StreamHold>(gate);

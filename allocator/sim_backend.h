@@ -55,6 +55,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -125,12 +126,16 @@ class SimBackend : public Backend {
   class StreamGate {
    public:
     void Open();
-    void Wait();
+    // On the held stream's worker: returns once opened. With `waited` (a gate that opens when
+    // waited for), also once it answers true, which it is asked every millisecond.
+    void Wait(const std::function<bool()>& waited);
+    bool opened_by_wait() const;
 
    private:
-    std::mutex mu_;
+    mutable std::mutex mu_;
     std::condition_variable cv_;
     bool open_ = false;
+    bool opened_by_wait_ = false;
   };
   // Owner side of a gate: opening it, or dropping it, lets the stream go on.
   class StreamHold {
@@ -140,11 +145,25 @@ class SimBackend : public Backend {
     StreamHold(const StreamHold&) = delete;
     StreamHold& operator=(const StreamHold&) = delete;
     void Open() { gate_->Open(); }
+    // Whether the gate opened because something waited for the work behind it (kWhenWaitedFor).
+    bool opened_by_wait() const { return gate_->opened_by_wait(); }
 
    private:
     std::shared_ptr<StreamGate> gate_;
   };
-  std::unique_ptr<StreamHold> hold_stream(int device, StreamHandle stream);
+  enum class HoldRelease {
+    kByOwner,  // only Open() or the hold's end opens the gate
+    // Also opens once a thread blocks until work queued behind the gate is done: the host (a
+    // stream or event synchronization) or another stream (a wait on an event recorded behind
+    // it). A test then learns whether a wait it expects was made, without a timed guess: with
+    // the wait the work goes on, without it the gate stays shut.
+    kWhenWaitedFor,
+    // Only once the host blocks until such work is done: other streams may wait behind the gate
+    // all along (a consumer's wait for a copy) while the test needs the work held until then.
+    kWhenHostWaits,
+  };
+  std::unique_ptr<StreamHold> hold_stream(int device, StreamHandle stream,
+                                          HoldRelease release = HoldRelease::kByOwner);
 
   // Fault injection; exact rules in the file comment.
   void fail_device_malloc_after(int64_t n);

@@ -412,7 +412,8 @@ TEST(OomLadderTest, WhereAccessesFollowStreamsTheAllocatingStreamWaitsInsteadOfT
   backend->synchronize_stream(0, main.handle);
   // A spill: the copy to the host reads the block on `copy` (held), and the block is freed.
   std::vector<uint8_t> spilled(kCopied);
-  backend->hold = backend->hold_stream(0, copy.handle);
+  // Opened by a stream's wait for the copy: `main`'s, once the block is handed over.
+  backend->hold = backend->hold_stream(0, copy.handle, SimBackend::HoldRelease::kWhenWaitedFor);
   backend->memcpy_async(0, spilled.data(), p, kCopied, CopyKind::kDeviceToHost, copy.handle);
   alloc.RecordStream(p, copy);
   alloc.Free(p);
@@ -422,22 +423,18 @@ TEST(OomLadderTest, WhereAccessesFollowStreamsTheAllocatingStreamWaitsInsteadOfT
   const auto stats = alloc.FlatStats(0);
   EXPECT_EQ(stats.at("num_sync_all_streams"), 0) << "the host did not wait";
   EXPECT_EQ(stats.at("num_device_alloc"), 1);
-  // The new owner writes on `main`, which must wait for the copy. Had it not waited, its 64 KiB
-  // would be written well within the pause, before the copy runs.
+  // The new owner writes on `main`, which must wait for the copy. Had it not waited, its write
+  // would run with the copy still held, and the hold would stay shut.
   backend->memcpy_async(0, q, after.data(), kCopied, CopyKind::kHostToDevice, main.handle);
-  const EventHandle written = backend->create_event(0);
-  backend->record_event(0, written, main.handle);
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  EXPECT_FALSE(backend->query_event(0, written)) << "main did not wait for the copy";
-  backend->hold->Open();
   backend->synchronize_stream(0, main.handle);
+  EXPECT_TRUE(backend->hold->opened_by_wait()) << "main did not wait for the copy";
+  backend->hold->Open();
   backend->synchronize_stream(0, copy.handle);
   EXPECT_TRUE(spilled == before) << "the copy read the block before its new owner wrote it";
   std::vector<uint8_t> now(kCopied);
   backend->memcpy_async(0, now.data(), q, kCopied, CopyKind::kDeviceToHost, main.handle);
   backend->synchronize_stream(0, main.handle);
   EXPECT_TRUE(now == after) << "the new owner's bytes";
-  backend->destroy_event(0, written);
   alloc.Free(q);
   backend->hold.reset();
 }

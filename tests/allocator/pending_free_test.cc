@@ -2,10 +2,10 @@
 // stays active_pending_free until event processing releases it, and when the event cannot be
 // created or recorded the free falls back to waiting on the host instead of losing the block or
 // reusing it early. The randomized differential test covers the same states at random.
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #include "allocator/backend.h"
@@ -218,18 +218,13 @@ TEST(PendingFreeTest, AStreamOfAnotherDeviceHoldsTheFreeBack) {
   const StreamRef other = backend->default_stream(1);
   void* p = alloc.Malloc(4096, 0, a);
   EXPECT_THROW(alloc.RecordStream(p, other, 2), InvalidArgumentError);
-  auto hold = backend->hold_stream(1, other.handle);
+  // Opened by the free's wait; without one, it stays shut and the free returns.
+  auto hold = backend->hold_stream(1, other.handle, SimBackend::HoldRelease::kWhenHostWaits);
   alloc.RecordStream(p, other, 1);
   alloc.RecordStream(p, other, 1);  // once is enough
-  std::atomic<bool> opened{false};
-  std::thread opener([&] {
-    std::this_thread::sleep_for(100ms);
-    opened = true;
-    hold->Open();
-  });
   alloc.Free(p);
-  EXPECT_TRUE(opened) << "the free did not wait for the other device's stream";
-  opener.join();
+  EXPECT_TRUE(hold->opened_by_wait()) << "the free did not wait for the other device's stream";
+  hold->Open();
   ExpectFreedAtOnce(alloc);
   EXPECT_EQ(alloc.Malloc(4096, 0, a), p) << "the freed block was lost";
   alloc.Free(p);  // a new allocation of the block: the old use is gone, nothing waits

@@ -475,6 +475,54 @@ TEST_F(SimCopyFailureTest, OtherStreamsAreUnaffectedAndMinusOneDisarms) {
   EXPECT_THROW(backend_.fail_copy_after(0), InvalidArgumentError);
 }
 
+// A hold released by waits opens when something blocks on the work behind it, and only then:
+// kWhenHostWaits for the host's waits, kWhenWaitedFor for another stream's too. What tests
+// rely on to learn, without timing, whether a wait they expect was made.
+TEST(SimBackendTest, AHoldReleasedByWaitsOpensWhenWaitedFor) {
+  SimBackend sim;
+  const StreamRef held = sim.create_stream(0);
+  const StreamRef waiter = sim.create_stream(0);
+  {
+    auto hold = sim.hold_stream(0, held.handle, SimBackend::HoldRelease::kWhenHostWaits);
+    const EventHandle behind = sim.create_event(0);
+    sim.record_event(0, behind, held.handle);
+    sim.stream_wait_event(0, waiter.handle, behind);  // a stream's wait: not the host's
+    const EventHandle after_wait = sim.create_event(0);
+    sim.record_event(0, after_wait, waiter.handle);
+    // Another stream waits: this hold stays shut, and so does the waiting stream.
+    EXPECT_FALSE(sim.query_event(0, after_wait));
+    EXPECT_FALSE(hold->opened_by_wait());
+    sim.synchronize_event(0, behind);  // the host waits: the hold opens
+    EXPECT_TRUE(hold->opened_by_wait());
+    sim.synchronize_event(0, after_wait);
+    sim.destroy_event(0, behind);
+    sim.destroy_event(0, after_wait);
+  }
+  {
+    auto hold = sim.hold_stream(0, held.handle, SimBackend::HoldRelease::kWhenWaitedFor);
+    const EventHandle behind = sim.create_event(0);
+    sim.record_event(0, behind, held.handle);
+    sim.stream_wait_event(0, waiter.handle, behind);
+    sim.synchronize_stream(0, waiter.handle);  // returns once the wait opened the hold
+    EXPECT_TRUE(hold->opened_by_wait());
+    sim.destroy_event(0, behind);
+  }
+  {
+    // Nothing waits: it stays shut until its owner opens it.
+    auto hold = sim.hold_stream(0, held.handle, SimBackend::HoldRelease::kWhenWaitedFor);
+    const EventHandle behind = sim.create_event(0);
+    sim.record_event(0, behind, held.handle);
+    EXPECT_FALSE(sim.query_event(0, behind));
+    EXPECT_FALSE(hold->opened_by_wait());
+    hold->Open();
+    sim.synchronize_event(0, behind);
+    EXPECT_FALSE(hold->opened_by_wait());
+    sim.destroy_event(0, behind);
+  }
+  sim.destroy_stream(0, held.handle);
+  sim.destroy_stream(0, waiter.handle);
+}
+
 TEST(SimBackendTest, FailEventAfterFailsTheNthCreateOrRecord) {
   SimBackend backend;
   backend.fail_event_after(2);

@@ -89,21 +89,18 @@ TEST_F(OffloadIntegrity, DroppingTheConsumerWaitIsCaught) {
     void* scratch = allocator_->Malloc(kMiB, 0, compute_);
     std::memset(scratch, 0, kMiB);
     allocator_->Free(scratch);
-    auto gate = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+    // The copy runs once the consumer's stream waits for it: never, without the wait.
+    auto gate = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle,
+                                      SimBackend::HoldRelease::kWhenWaitedFor);
     void* ptr = engine_->Acquire(id, compute_);
+    const bool intact = ReadOn(compute_, ptr, kMiB) == Pattern(kMiB, seed);
     if (skip) {
       // Nothing orders the read after the held copy: it must see the scrubbed bytes.
-      const bool intact = ReadOn(compute_, ptr, kMiB) == Pattern(kMiB, seed);
+      EXPECT_FALSE(gate->opened_by_wait());
       gate->Open();
       EXPECT_FALSE(intact) << "a missing wait went unnoticed";
     } else {
-      // With the wait the read blocks until the copy ran, so the gate opens from elsewhere.
-      std::thread opener([&] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        gate->Open();
-      });
-      const bool intact = ReadOn(compute_, ptr, kMiB) == Pattern(kMiB, seed);
-      opener.join();
+      EXPECT_TRUE(gate->opened_by_wait()) << "the read did not wait for the copy";
       EXPECT_TRUE(intact);
     }
     engine_->Synchronize();
@@ -122,7 +119,7 @@ TEST_F(OffloadIntegrity, ASpillWaitsForTheStreamOfTheLatestSave) {
   const KeeperId first = Save(s);
   const StreamRef side = backend_->create_stream(0);
   const std::vector<uint8_t> rewritten = Pattern(kMiB, 2);
-  auto gate = backend_->hold_stream(0, side.handle);
+  auto gate = backend_->hold_stream(0, side.handle, SimBackend::HoldRelease::kWhenWaitedFor);
   backend_->memcpy_async(0, s->data(), rewritten.data(), kMiB, CopyKind::kHostToDevice,
                          side.handle);  // an in-place write on `side`, queued behind the gate
   const auto second = engine_->AddKeeper(
@@ -131,9 +128,10 @@ TEST_F(OffloadIntegrity, ASpillWaitsForTheStreamOfTheLatestSave) {
   engine_->RemoveKeeper(first);  // the first graph is freed without backward
   s->holders = 0;
   engine_->ForwardEnd();  // eager: the spill is issued now
-  // Unordered, the copy out runs within microseconds, before the held write: give it that
-  // chance. Ordered after the write, it cannot run yet, and the wait just runs out.
-  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  // Ordered after the write, the copy out waits for `side`, which opens the gate; unordered, it
+  // runs at once and the gate stays shut until this opens it.
+  engine_->Synchronize();
+  EXPECT_TRUE(gate->opened_by_wait()) << "the spill did not wait for the latest save's stream";
   gate->Open();
   engine_->Synchronize();
   ASSERT_EQ(StateOf(s), Residency::kSpilled);
@@ -157,17 +155,17 @@ TEST_F(OffloadIntegrity, ADroppedPrefetchsCopyDoesNotLandOnTheNextOwner) {
   engine_->ForwardEnd();
   engine_->Synchronize();
   ASSERT_EQ(StateOf(a), Residency::kSpilled);
-  auto hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+  // The copies run once something waits for them: the drop, or (without its wait) only the
+  // engine's synchronization at the end, after the next owner wrote.
+  auto hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle,
+                                    SimBackend::HoldRelease::kWhenWaitedFor);
   engine_->Acquire(idb, compute_);  // b's reload, then a's prefetch, both queued behind the hold
   ASSERT_EQ(StateOf(a), Residency::kReloading);
-  std::thread opener([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    hold->Open();
-  });
   void* prefetch_block = a->data();
   std::erase(storages_, a);
   a.reset();
   engine_->RemoveKeeper(ida);  // a's storage goes, its block back to the allocator
+  EXPECT_TRUE(hold->opened_by_wait()) << "the drop did not wait for its queued copy";
   // The program's next allocations, until one gets that block.
   std::vector<void*> taken;
   while (taken.size() < 16 && (taken.empty() || taken.back() != prefetch_block)) {
@@ -176,7 +174,6 @@ TEST_F(OffloadIntegrity, ADroppedPrefetchsCopyDoesNotLandOnTheNextOwner) {
   const bool reused = taken.back() == prefetch_block;
   const std::vector<uint8_t> fill(4 * kMiB, 0x5A);
   if (reused) std::memcpy(taken.back(), fill.data(), fill.size());  // a CPU kernel: host thread
-  opener.join();
   ASSERT_TRUE(reused) << "the test needs the prefetch's block handed out again";
   engine_->Synchronize();
   EXPECT_EQ(ReadOn(compute_, taken.back(), fill.size()), fill)

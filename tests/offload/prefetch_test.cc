@@ -286,27 +286,27 @@ TEST_F(OffloadPrefetchTest, OffloadRescueGivesBackUnusedPrefetches) {
       engine_->SetConfig(config);
 
       const StreamRef h2d = engine_->h2d_stream_for_testing(0);
-      std::unique_ptr<SimBackend::StreamHold> hold = backend_->hold_stream(0, h2d.handle);
+      // Running copies finish only once the rescue waits for them (the consumer's stream waits
+      // for the first all along).
+      std::unique_ptr<SimBackend::StreamHold> hold =
+          backend_->hold_stream(0, h2d.handle, SimBackend::HoldRelease::kWhenHostWaits);
       if (copies != Copies::kRunning) hold.reset();
       void* first = engine_->Acquire(ids[5], compute_);  // the first read prefetches the rest
       saved[5]->holders = 1;                             // the unpacked tensor uses it
       if (copies == Copies::kDone) backend_->synchronize_stream(0, h2d.handle);
       if (copies == Copies::kSettled) engine_->Synchronize();
       ASSERT_EQ(AllocStat("allocated_bytes.all.current"), int64_t{48 * kMiB});
-      // Running copies finish only while the rescue waits for them.
-      std::thread opener([&] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        hold.reset();
-      });
       void* p = nullptr;
       EXPECT_NO_THROW(p = allocator_->Malloc(12 * kMiB, 0, compute_));
+      if (hold != nullptr) {
+        EXPECT_TRUE(hold->opened_by_wait()) << "the blocks given back did not wait for the copies";
+      }
       // The new owner's bytes survive whatever the given-back copies were still to write.
       const std::vector<uint8_t> mine = Pattern(12 * kMiB, 99);
       if (p != nullptr) {
         backend_->memcpy_async(0, p, mine.data(), mine.size(), CopyKind::kHostToDevice,
                                compute_.handle);
       }
-      opener.join();
       backend_->synchronize_stream(0, h2d.handle);
       EXPECT_EQ(EngineStat("num_spills"), 6) << "the rescue copied a prefetch back to the host";
       EXPECT_EQ(StateOf(saved[0]), Residency::kSpilled) << "the oldest prefetch was not given back";
