@@ -86,7 +86,9 @@ OffloadEngine::~OffloadEngine() {
   }
   // Entries still alive give their host copies back before the pools go.
   for (auto& [key, entry] : entries_) ReleaseHost(*entry, std::nullopt);
+  for (auto& [key, entry] : detached_) ReleaseHost(*entry, std::nullopt);
   entries_.clear();
+  detached_.clear();
 }
 
 OffloadEngine::DeviceContext& OffloadEngine::Device(int device) {
@@ -117,8 +119,21 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   }
   EngineLock lock(mutex_);
   auto it = entries_.find(key);
+  // The storage's saved bytes are lost, and it has memory again (resized after a forced release,
+  // say): a new save reads that memory. It gets an entry of its own; joined to the failed one,
+  // its unpack raised too. The two share the storage's binding, which counts as one holder.
+  std::shared_ptr<Storage> failed_storage;
+  if (it != entries_.end() && it->second->state == Residency::kFailed &&
+      it->second->storage->data() != nullptr) {
+    const Entry* failed = it->second.get();
+    failed_storage = failed->storage;
+    detached_.emplace(failed, std::move(it->second));
+    entries_.erase(it);
+    it = entries_.end();
+  }
   if (it == entries_.end()) {
-    std::shared_ptr<Storage> storage = make_storage();
+    std::shared_ptr<Storage> storage =
+        failed_storage != nullptr ? std::move(failed_storage) : make_storage();
     if (storage == nullptr) {
       throw InvalidArgumentError("OffloadEngine::AddKeeper: the storage factory returned null");
     }
@@ -237,7 +252,8 @@ void OffloadEngine::Drop(Entry& e) {
   WindowRemove(e);
   offloaded_.erase(e.seq);
   --stats_.num_entries;
-  entries_.erase(e.key);  // destroys `e`, releasing the engine's hold on the storage
+  // Destroys `e`, releasing the engine's hold on the storage.
+  if (detached_.erase(&e) == 0) entries_.erase(e.key);
 }
 
 void OffloadEngine::MarkReleased(const void* key, const std::string& why) {

@@ -155,7 +155,8 @@ class OffloadEngine {
 
   std::optional<EntryInfo> Describe(const void* key) const;
   std::optional<EntryInfo> DescribeKeeper(KeeperId id) const;
-  // Keys of every live entry, oldest save first.
+  // Keys of every live entry, oldest save first; one per storage (a failed entry that a new save
+  // of its storage set aside is not listed: DescribeKeeper finds it).
   std::vector<const void*> EntryKeys() const;
   void CountSkip(std::string_view reason);
   // The latest spills, reloads and drops of spilled entries (a bounded ring), oldest first.
@@ -226,6 +227,7 @@ class OffloadEngine {
   // Ends `e`'s being a prefetch (acquired, given back, failed or dropped); false if it was none.
   bool EndPrefetch(Entry& e);
   void MarkFailed(Entry& e, const std::string& why);
+  static EntryInfo DescribeEntry(const Entry& e);
   // Fails the entries whose copy is in flight in direction `in_flight` on `device`. A failure the
   // device's allocator found (`found_seq`, its StreamError::seq) spares the copies enqueued
   // after it was found: it belongs to an earlier one.
@@ -300,6 +302,10 @@ class OffloadEngine {
   OffloadConfig config_;
   std::vector<std::unique_ptr<DeviceContext>> devices_;
   absl::flat_hash_map<const void*, std::unique_ptr<Entry>> entries_;
+  // Failed entries (bytes lost) whose storage was saved again after it was given memory again
+  // (resized after a forced release, say): the new save has an entry of its own in entries_,
+  // and these live on for their keepers, whose unpack raises, until those go.
+  absl::flat_hash_map<const Entry*, std::unique_ptr<Entry>> detached_;
   absl::flat_hash_map<KeeperId, Keeper> keepers_;
   absl::btree_map<uint64_t, Entry*> by_seq_;  // save order
   // Per allocator that found them, the number (StreamError::seq) of the last copy-stream failure

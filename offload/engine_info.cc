@@ -15,7 +15,10 @@ std::optional<EntryInfo> OffloadEngine::Describe(const void* key) const {
   EngineLock lock(mutex_);
   auto it = entries_.find(key);
   if (it == entries_.end()) return std::nullopt;
-  const Entry& e = *it->second;
+  return DescribeEntry(*it->second);
+}
+
+EntryInfo OffloadEngine::DescribeEntry(const Entry& e) {
   EntryInfo info;
   info.key = e.key;
   info.data = e.storage->data();
@@ -38,14 +41,17 @@ std::optional<EntryInfo> OffloadEngine::DescribeKeeper(KeeperId id) const {
   EngineLock lock(mutex_);
   auto it = keepers_.find(id);
   if (it == keepers_.end()) return std::nullopt;
-  return Describe(it->second.entry->key);
+  return DescribeEntry(*it->second.entry);  // a detached entry's too
 }
 
 std::vector<const void*> OffloadEngine::EntryKeys() const {
   EngineLock lock(mutex_);
   std::vector<const void*> keys;
   keys.reserve(by_seq_.size());
-  for (const auto& [seq, entry] : by_seq_) keys.push_back(entry->key);
+  for (const auto& [seq, entry] : by_seq_) {
+    // A detached entry's key names its storage's current entry, listed in its own place.
+    if (!detached_.contains(entry)) keys.push_back(entry->key);
+  }
   return keys;
 }
 

@@ -107,6 +107,44 @@ TEST_F(OffloadTransitions, ReleasedStorageIsNeverBroughtBack) {
   EXPECT_EQ(EngineStat("host_bytes.current"), 0);
 }
 
+// A storage released by force, given memory again (resized) and saved again: the new save reads
+// that memory, and its unpack gets those bytes; the old save's unpack still fails, naming why.
+// Joined to the failed entry, the new save failed at unpack too.
+TEST_F(OffloadTransitions, ANewSaveOfAReleasedStorageGivenMemoryAgainIsItsOwn) {
+  auto s = NewStorage(2 * kMiB, 4);
+  const KeeperId old_id = Save(s);
+  engine_->MarkReleased(s.get(), "freed by the test");
+  s->drop_device_memory();
+  s->allocate_device_memory(compute_);
+  const std::vector<uint8_t> rewritten = Pattern(2 * kMiB, 5);
+  backend_->memcpy_async(0, s->data(), rewritten.data(), rewritten.size(), CopyKind::kHostToDevice,
+                         compute_.handle);
+  const KeeperId new_id = Save(s);
+  EXPECT_EQ(StateOf(s), Residency::kResident);
+  EXPECT_EQ(engine_->DescribeKeeper(old_id).value().residency, Residency::kFailed);
+  EXPECT_EQ(engine_->Describe(s.get()).value().keepers.size(), 1U);
+  EXPECT_EQ(engine_->EntryKeys().size(), 1U);
+  EXPECT_EQ(EngineStat("num_entries"), 2);
+  s->holders = 0;
+  engine_->ForwardEnd();  // eager: the new save spills, and comes back intact
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(s), Residency::kSpilled);
+  EXPECT_EQ(ReadOn(compute_, engine_->Acquire(new_id, compute_), rewritten.size()), rewritten);
+  try {
+    engine_->Acquire(old_id, compute_);
+    ADD_FAILURE() << "the released save was handed out";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("freed by the test"), std::string::npos) << e.what();
+  }
+  engine_->RemoveKeeper(old_id);
+  EXPECT_EQ(EngineStat("num_entries"), 1);
+  ASSERT_TRUE(engine_->Describe(s.get()).has_value()) << "the old save's drop took the new entry";
+  EXPECT_EQ(engine_->Describe(s.get()).value().keepers.size(), 1U);
+  engine_->RemoveKeeper(new_id);
+  EXPECT_EQ(EngineStat("num_entries"), 0);
+  EXPECT_FALSE(engine_->Describe(s.get()).has_value());
+}
+
 TEST_F(OffloadTransitions, TrimHostMemoryGivesBackChunksNoSpillUses) {
   auto kept = NewStorage(2 * kMiB, 1);
   auto dropped = NewStorage(2 * kMiB, 2);

@@ -173,6 +173,30 @@ def test_backward_after_a_forced_release_fails_clearly():
         y.sum().backward()
 
 
+def test_a_released_storage_resized_and_saved_again_backs_the_new_save():
+    """A storage released by force, then resized (given memory again) and saved by a new graph:
+    that graph's backward reads the new bytes, bitwise as without offload. (The new save joined
+    the failed one, and its backward raised "freed by spillway.release(force=True)".) The old
+    graph's backward still fails: the in-place resize changed what it saved."""
+    a = torch.randn(256, 256, requires_grad=True)
+    h = torch.randn(256, 256)
+    with spillway.offload("eager", min_bytes=0):
+        old = (h * a).sum()  # mul saves h for a's gradient
+    spillway.release(h, force=True)
+    h.resize_(0).resize_(256, 256).copy_(torch.randn(256, 256))  # same sizes alone: no-op
+    b = torch.randn(256, 256, requires_grad=True)
+    expected = torch.autograd.grad((h * b).sum(), b)[0]
+    spills = stat("spillway.num_spills")
+    with spillway.offload("eager", min_bytes=0):
+        new = (h * b).sum()
+        del h  # only the save keeps it now: eager spills it as the block ends
+    assert stat("spillway.num_spills") == spills + 1
+    (got,) = torch.autograd.grad(new, b)
+    assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match=r"release\(force=True\)|modified by an inplace"):
+        old.backward()
+
+
 def test_bad_arguments_are_value_errors():
     with pytest.raises(ValueError, match="expects a torch.Tensor"):
         spillway.keepers([1, 2, 3])
