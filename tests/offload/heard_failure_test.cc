@@ -107,7 +107,48 @@ class OffloadHeardSignalled : public OffloadHeardFailure {
     signalling_ = std::make_shared<SignallingSimBackend>(options);
     return signalling_;
   }
+
+  // Eager, no prefetch: `a_` saved and spilled by a copy that failed with nobody hearing of it;
+  // `c_` made before anyone can (an allocation after the failing copy ran would hear of it
+  // first), held by nobody, for the test to save on `side_`, whose hold keeps c's spill (which
+  // waits for its producer) in flight until the end.
+  void MakeAFailedUnheardAndC(uint32_t seed) {
+    OffloadConfig config = Policy(OffloadPolicy::kEager);
+    config.prefetch_bytes = 0;
+    Make(config, 64 * kMiB, std::chrono::microseconds{0});
+    a_ = NewStorage(2 * kMiB, seed);
+    c_ = NewStorage(2 * kMiB, seed + 1);
+    ida_ = Save(a_);
+    ASSERT_NO_FATAL_FAILURE(SpillByACopyNobodyHearsFail(*a_));
+    side_ = backend_->create_stream(0);
+    side_hold_ = backend_->hold_stream(0, side_.handle);
+    c_->holders = 0;
+  }
+
+  // Then: a is lost, c's spill goes on once the hold opens and reads back intact (its seed after
+  // a's), and nothing leaks. `p`: the allocation that heard of the failure.
+  void ExpectOnlyALost(KeeperId idc, uint32_t seed, void* p) {
+    EXPECT_EQ(StateOf(a_), Residency::kFailed);
+    side_hold_->Open();
+    engine_->Synchronize();
+    EXPECT_EQ(StateOf(c_), Residency::kSpilled);
+    EXPECT_EQ(AcquireAndRead(idc, 2 * kMiB), Pattern(2 * kMiB, seed + 1));
+    allocator_->Free(p);
+    a_.reset();
+    c_.reset();
+    DropAllAndExpectNoLeaks({ida_, idc});
+  }
+
+  void TearDown() override {
+    side_hold_.reset();  // a test that stopped early left c's spill held: the engine waits for it
+    OffloadHeardFailure::TearDown();
+  }
+
   std::shared_ptr<SignallingSimBackend> signalling_;
+  std::shared_ptr<TestStorage> a_, c_;
+  KeeperId ida_ = 0;
+  StreamRef side_;
+  std::unique_ptr<SimBackend::StreamHold> side_hold_;
 };
 
 // Another thread's allocator call has taken a spill's failure from the copy stream and not noted
@@ -261,18 +302,7 @@ TEST_F(OffloadHeardFailure, OffloadAFailureAnotherThreadIsPassingOnFailsTheReloa
 // on, then issues a spill, and that thread's delivery comes after. The failure was acted on
 // already: told again, the engine must not fail the new spill, which came after it.
 TEST_F(OffloadHeardSignalled, OffloadAFailureToldTwiceIsActedOnOnce) {
-  OffloadConfig config = Policy(OffloadPolicy::kEager);
-  config.prefetch_bytes = 0;
-  Make(config, 64 * kMiB, std::chrono::microseconds{0});
-  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 88);
-  // Made now: an allocation after the failing copy has run would hear of it first.
-  std::shared_ptr<TestStorage> c = NewStorage(2 * kMiB, 89);
-  const KeeperId ida = Save(a);
-  ASSERT_NO_FATAL_FAILURE(SpillByACopyNobodyHearsFail(*a));
-  // c's spill waits for its producer, held: it stays in flight until the end.
-  const StreamRef side = backend_->create_stream(0);
-  auto side_hold = backend_->hold_stream(0, side.handle);
-  c->holders = 0;
+  ASSERT_NO_FATAL_FAILURE(MakeAFailedUnheardAndC(88));
   // The save of c holds the engine's lock while its storage is made, until an allocation has
   // heard of the failure; that allocation then waits for the lock to pass it on. The save's
   // policy run takes the failure first, and spills c.
@@ -281,28 +311,20 @@ TEST_F(OffloadHeardSignalled, OffloadAFailureToldTwiceIsActedOnOnce) {
   std::thread saver([&] {
     idc = engine_
               ->AddKeeper(
-                  c.get(),
+                  c_.get(),
                   [&] {
                     making = true;
                     EXPECT_TRUE(SignallingSimBackend::Await(signalling_->heard));
-                    return c;
+                    return c_;
                   },
-                  FloatView(c->nbytes()), side)
+                  FloatView(c_->nbytes()), side_)
               .value();
   });
   ASSERT_TRUE(SignallingSimBackend::Await(making));
   void* p = allocator_->Malloc(kMiB, 0, compute_);  // polls a's old block: hears of the failure
   saver.join();
-  EXPECT_EQ(StateOf(a), Residency::kFailed);
-  ASSERT_NE(StateOf(c), Residency::kFailed) << "a failure heard before c's spill failed it";
-  side_hold->Open();
-  engine_->Synchronize();
-  EXPECT_EQ(StateOf(c), Residency::kSpilled);
-  EXPECT_EQ(AcquireAndRead(idc, 2 * kMiB), Pattern(2 * kMiB, 89));
-  allocator_->Free(p);
-  a.reset();
-  c.reset();
-  DropAllAndExpectNoLeaks({ida, idc});
+  ASSERT_NE(StateOf(c_), Residency::kFailed) << "a failure heard before c's spill failed it";
+  ExpectOnlyALost(idc, 88, p);
 }
 
 // The allocator hears of a failed spill while the engine is issuing a later one: after the
@@ -311,16 +333,7 @@ TEST_F(OffloadHeardSignalled, OffloadAFailureToldTwiceIsActedOnOnce) {
 // found, so it is not the failed one and its entry keeps its bytes (it was failed, and the
 // storage passed for lost).
 TEST_F(OffloadHeardSignalled, OffloadAFailureFoundBeforeACopyWasEnqueuedSparesIt) {
-  OffloadConfig config = Policy(OffloadPolicy::kEager);
-  config.prefetch_bytes = 0;
-  Make(config, 64 * kMiB, std::chrono::microseconds{0});
-  std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 93);
-  std::shared_ptr<TestStorage> c = NewStorage(2 * kMiB, 94);  // made before anyone can hear
-  const KeeperId ida = Save(a);
-  ASSERT_NO_FATAL_FAILURE(SpillByACopyNobodyHearsFail(*a));
-  const StreamRef side = backend_->create_stream(0);
-  auto side_hold = backend_->hold_stream(0, side.handle);  // c's spill stays in flight
-  c->holders = 0;
+  ASSERT_NO_FATAL_FAILURE(MakeAFailedUnheardAndC(93));
   // c's spill, issued under the engine's lock, waits (for its producer) on the copy-out stream:
   // there it pauses until an allocation has heard of a's failure.
   signalling_->pause_waits_on = engine_->d2h_stream_for_testing(0).handle;
@@ -328,22 +341,14 @@ TEST_F(OffloadHeardSignalled, OffloadAFailureFoundBeforeACopyWasEnqueuedSparesIt
   std::thread saver([&] {
     idc = engine_
               ->AddKeeper(
-                  c.get(), [&] { return c; }, FloatView(c->nbytes()), side)
+                  c_.get(), [&] { return c_; }, FloatView(c_->nbytes()), side_)
               .value();
   });
   ASSERT_TRUE(SignallingSimBackend::Await(signalling_->paused));
   void* p = allocator_->Malloc(kMiB, 0, compute_);  // hears of a's failure; passes it on after
   saver.join();
-  EXPECT_EQ(StateOf(a), Residency::kFailed);
-  ASSERT_EQ(StateOf(c), Residency::kSpilling) << "a failure found before c's spill failed it";
-  side_hold->Open();
-  engine_->Synchronize();
-  EXPECT_EQ(StateOf(c), Residency::kSpilled);
-  EXPECT_EQ(AcquireAndRead(idc, 2 * kMiB), Pattern(2 * kMiB, 94));
-  allocator_->Free(p);
-  a.reset();
-  c.reset();
-  DropAllAndExpectNoLeaks({ida, idc});
+  ASSERT_EQ(StateOf(c_), Residency::kSpilling) << "a failure found before c's spill failed it";
+  ExpectOnlyALost(idc, 93, p);
 }
 
 // The pinned pool polls the buffers that wait for each copy stream, and each stream's failure is
