@@ -522,10 +522,6 @@ void SimBackend::stream_wait_event(int device, StreamHandle stream_handle, Event
   });
 }
 
-SimBackend::StreamGate::StreamGate(std::function<int(bool host_only)> waiters, HoldRelease release,
-                                   std::chrono::milliseconds open_after)
-    : waiters_(std::move(waiters)), release_(release), open_after_(open_after) {}
-
 void SimBackend::StreamGate::Open() {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -534,26 +530,18 @@ void SimBackend::StreamGate::Open() {
   cv_.notify_all();
 }
 
-void SimBackend::StreamGate::Wait() {
+void SimBackend::StreamGate::Wait(const std::function<bool()>& waited) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (release_ == HoldRelease::kByOwner && open_after_.count() == 0) {
+  if (!waited) {
     cv_.wait(lock, [this] { return open_; });
     return;
   }
-  const auto deadline = std::chrono::steady_clock::now() + open_after_;
   while (!open_) {
     if (cv_.wait_for(lock, std::chrono::milliseconds(1), [this] { return open_; })) return;
     lock.unlock();
-    // Without the gate's lock: this takes the stream's.
-    const bool waited =
-        release_ != HoldRelease::kByOwner && waiters_(release_ == HoldRelease::kWhenHostWaits) > 0;
+    const bool now = waited();  // without the gate's lock: it takes the stream's
     lock.lock();
-    if (open_) return;
-    if (waited) {
-      open_ = opened_by_wait_ = true;
-    } else if (open_after_.count() != 0 && std::chrono::steady_clock::now() >= deadline) {
-      open_ = opened_by_timeout_ = true;
-    }
+    if (now && !open_) open_ = opened_by_wait_ = true;
   }
 }
 
@@ -562,28 +550,21 @@ bool SimBackend::StreamGate::opened_by_wait() const {
   return opened_by_wait_;
 }
 
-bool SimBackend::StreamGate::opened_by_timeout() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return opened_by_timeout_;
-}
-
-std::unique_ptr<SimBackend::StreamHold> SimBackend::hold_stream(
-    int device, StreamHandle stream_handle, HoldRelease release,
-    std::chrono::milliseconds open_after) {
+std::unique_ptr<SimBackend::StreamHold> SimBackend::hold_stream(int device,
+                                                                StreamHandle stream_handle,
+                                                                HoldRelease release) {
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<Stream> stream = FindStreamLocked("hold_stream", device, stream_handle);
-  if (open_after.count() < 0) {
-    throw InvalidArgumentError("hold_stream: open_after must be 0 (never) or positive");
+  auto gate = std::make_shared<StreamGate>();
+  std::function<bool()> waited;
+  if (release != HoldRelease::kByOwner) {
+    // Raw: the op runs on the stream's own worker, which the stream outlives.
+    waited = [held = stream.get(), host_only = release == HoldRelease::kWhenHostWaits] {
+      return held->Waiters(host_only) > 0;
+    };
   }
-  // Weak: the hold may outlive the stream (its owner asks host_waiting() after all).
-  auto gate = std::make_shared<StreamGate>(
-      [held = std::weak_ptr<Stream>(stream)](bool host_only) {
-        const std::shared_ptr<Stream> s = held.lock();
-        return s == nullptr ? 0 : s->Waiters(host_only);
-      },
-      release, open_after);
-  stream->Enqueue([gate] {
-    gate->Wait();
+  stream->Enqueue([gate, waited = std::move(waited)] {
+    gate->Wait(waited);
     return std::optional<std::string>();
   });
   return std::make_unique<StreamHold>(gate);

@@ -120,6 +120,37 @@ class SimBackend : public Backend {
   void memcpy_async(int device, void* dst, const void* src, size_t bytes, CopyKind kind,
                     StreamHandle stream) override;
 
+  // A host-controlled gate, like CUDA's cuStreamWaitValue32 on a host word: work enqueued on
+  // `stream` after this call runs only once the gate is opened (or destroyed). Lets tests hold
+  // a stream busy deterministically instead of relying on timing.
+  class StreamGate {
+   public:
+    void Open();
+    // On the held stream's worker: returns once opened. With `waited` (a gate that opens when
+    // waited for), also once it answers true, which it is asked every millisecond.
+    void Wait(const std::function<bool()>& waited);
+    bool opened_by_wait() const;
+
+   private:
+    mutable std::mutex mu_;
+    std::condition_variable cv_;
+    bool open_ = false;
+    bool opened_by_wait_ = false;
+  };
+  // Owner side of a gate: opening it, or dropping it, lets the stream go on.
+  class StreamHold {
+   public:
+    explicit StreamHold(std::shared_ptr<StreamGate> gate) : gate_(std::move(gate)) {}
+    ~StreamHold() { gate_->Open(); }
+    StreamHold(const StreamHold&) = delete;
+    StreamHold& operator=(const StreamHold&) = delete;
+    void Open() { gate_->Open(); }
+    // Whether the gate opened because something waited for the work behind it (kWhenWaitedFor).
+    bool opened_by_wait() const { return gate_->opened_by_wait(); }
+
+   private:
+    std::shared_ptr<StreamGate> gate_;
+  };
   enum class HoldRelease {
     kByOwner,  // only Open() or the hold's end opens the gate
     // Also opens once a thread blocks until work queued behind the gate is done: the host (a
@@ -131,57 +162,8 @@ class SimBackend : public Backend {
     // all along (a consumer's wait for a copy) while the test needs the work held until then.
     kWhenHostWaits,
   };
-
-  // A host-controlled gate, like CUDA's cuStreamWaitValue32 on a host word: work enqueued on
-  // `stream` after this call runs only once the gate is opened (or destroyed). Lets tests hold
-  // a stream busy deterministically instead of relying on timing.
-  class StreamGate {
-   public:
-    // `waiters(host_only)`: the threads blocked until the held stream gets past the gate.
-    StreamGate(std::function<int(bool host_only)> waiters, HoldRelease release,
-               std::chrono::milliseconds open_after);
-    void Open();
-    // On the held stream's worker: returns once opened, by its owner, by a wait its release
-    // names, or once `open_after` (if not 0) has passed; it looks for the last two every
-    // millisecond.
-    void Wait();
-    bool opened_by_wait() const;
-    bool opened_by_timeout() const;
-    bool host_waiting() const { return waiters_(true) > 0; }
-
-   private:
-    const std::function<int(bool)> waiters_;
-    const HoldRelease release_;
-    const std::chrono::milliseconds open_after_;
-    mutable std::mutex mu_;
-    std::condition_variable cv_;
-    bool open_ = false;
-    bool opened_by_wait_ = false;
-    bool opened_by_timeout_ = false;
-  };
-  // Owner side of a gate: opening it, or dropping it, lets the stream go on.
-  class StreamHold {
-   public:
-    explicit StreamHold(std::shared_ptr<StreamGate> gate) : gate_(std::move(gate)) {}
-    ~StreamHold() { gate_->Open(); }
-    StreamHold(const StreamHold&) = delete;
-    StreamHold& operator=(const StreamHold&) = delete;
-    void Open() { gate_->Open(); }
-    // Whether the gate opened because something waited for the work behind it (kWhenWaitedFor,
-    // kWhenHostWaits), or because its time ran out.
-    bool opened_by_wait() const { return gate_->opened_by_wait(); }
-    bool opened_by_timeout() const { return gate_->opened_by_timeout(); }
-    // Whether a host thread is blocked now until work behind the gate is done.
-    bool host_waiting() const { return gate_->host_waiting(); }
-
-   private:
-    std::shared_ptr<StreamGate> gate_;
-  };
-  // `open_after` (0: never): a gate that nobody opens lets the stream go on then, so that a test
-  // whose expected opener never comes fails rather than hangs.
-  std::unique_ptr<StreamHold> hold_stream(
-      int device, StreamHandle stream, HoldRelease release = HoldRelease::kByOwner,
-      std::chrono::milliseconds open_after = std::chrono::milliseconds{0});
+  std::unique_ptr<StreamHold> hold_stream(int device, StreamHandle stream,
+                                          HoldRelease release = HoldRelease::kByOwner);
 
   // Fault injection; exact rules in the file comment.
   void fail_device_malloc_after(int64_t n);

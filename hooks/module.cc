@@ -3,7 +3,6 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
-#include <chrono>
 #include <string>
 
 #include "allocator/config.h"
@@ -151,14 +150,9 @@ PYBIND11_MODULE(_C, m) {
   py::class_<tl::KeptRegistration>(m, "KeptRegistration")
       .def(py::init<const at::Tensor&>())
       .def("__len__", &tl::KeptRegistration::size);
-  // These can block (a reload's wait on the simulated device, the out-of-memory ladder's waits,
-  // a policy's spills): without the GIL, so that the program's other Python threads go on
-  // meanwhile (a DataLoader's pin-memory thread, say). Nothing under them touches Python but
-  // the allocation history's frame gathering, which takes the GIL itself.
-  const auto no_gil = py::call_guard<py::gil_scoped_release>();
-  m.def("pack", &tl::Pack, no_gil);
-  m.def("unpack", &tl::Unpack, no_gil);
-  m.def("forward_end", &tl::ForwardEnd, no_gil);
+  m.def("pack", &tl::Pack);
+  m.def("unpack", &tl::Unpack);
+  m.def("forward_end", &tl::ForwardEnd);
   m.def("count_skip",
         [](const std::string& reason) { tl::Runtime::Get().engine().CountSkip(reason); });
 
@@ -170,21 +164,13 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("reset_accumulated_stats",
         [](int device) { tl::Runtime::Get().allocator().ResetAccumulatedStats(device); });
-  m.def(
-      "empty_cache",
-      [] {
-        tl::Runtime& runtime = tl::Runtime::Get();
-        runtime.EmptyCache(runtime.allocator());
-      },
-      no_gil);
-  m.def(
-      "synchronize",
-      [] {
-        if (sw::OffloadEngine* engine = tl::Runtime::Get().engine_if_created()) {
-          engine->Synchronize();
-        }
-      },
-      no_gil);
+  m.def("empty_cache", [] {
+    tl::Runtime& runtime = tl::Runtime::Get();
+    runtime.EmptyCache(runtime.allocator());
+  });
+  m.def("synchronize", [] {
+    if (sw::OffloadEngine* engine = tl::Runtime::Get().engine_if_created()) engine->Synchronize();
+  });
   m.def("keepers", &tl::Keepers);
   m.def("release", &tl::Release);
   m.def("residency", &tl::ResidencyOf);
@@ -210,35 +196,6 @@ PYBIND11_MODULE(_C, m) {
       throw sw::InvalidArgumentError("sim_inject_fault: unknown fault '" + kind +
                                      "': expected device_malloc, host_malloc, copy or event");
     }
-  });
-  // Testing only: holds the offload engine's copy stream ("to_host" or "to_device") of `device`
-  // on the simulated device until the hold opens (open(), its end, or `open_after_s` seconds).
-  py::class_<sw::SimBackend::StreamHold>(m, "SimHold")
-      .def("open", &sw::SimBackend::StreamHold::Open)
-      .def("host_waiting", &sw::SimBackend::StreamHold::host_waiting)
-      .def("opened_by_timeout", &sw::SimBackend::StreamHold::opened_by_timeout);
-  m.def("sim_hold_copy_stream", [](const std::string& direction, int device, double open_after_s) {
-    tl::Runtime& runtime = tl::Runtime::Get();
-    auto* sim = dynamic_cast<sw::SimBackend*>(&runtime.allocator().backend());
-    if (sim == nullptr)
-      throw sw::InvalidArgumentError("sim_hold_copy_stream: not on the simulated device");
-    if (direction != "to_host" && direction != "to_device") {
-      throw sw::InvalidArgumentError("sim_hold_copy_stream: unknown direction '" + direction +
-                                     "': expected to_host or to_device");
-    }
-    if (!(open_after_s >= 0 && open_after_s <= 3600)) {
-      throw sw::InvalidArgumentError(
-          "sim_hold_copy_stream: open_after_s must be 0 (never) to 3600 seconds");
-    }
-    if (device < 0 || device >= sim->device_count()) {
-      throw sw::InvalidArgumentError("sim_hold_copy_stream: no simulated device " +
-                                     std::to_string(device));
-    }
-    sw::OffloadEngine& engine = runtime.engine();
-    const sw::StreamRef stream = direction == "to_host" ? engine.d2h_stream_for_testing(device)
-                                                        : engine.h2d_stream_for_testing(device);
-    return sim->hold_stream(device, stream.handle, sw::SimBackend::HoldRelease::kByOwner,
-                            std::chrono::milliseconds(static_cast<int64_t>(open_after_s * 1000)));
   });
   m.def("record_history", &tl::RecordHistory);
 }

@@ -523,35 +523,6 @@ TEST(SimBackendTest, AHoldReleasedByWaitsOpensWhenWaitedFor) {
   sim.destroy_stream(0, waiter.handle);
 }
 
-// host_waiting() tells the owner a host thread blocks behind the gate; a deadline opens a gate
-// nobody opens (so that a test whose opener never comes fails rather than hangs), and says so.
-TEST(SimBackendTest, AHoldTellsOfHostWaitersAndOpensAtItsDeadline) {
-  SimBackend sim;
-  const StreamRef held = sim.create_stream(0);
-  {
-    auto hold = sim.hold_stream(0, held.handle);
-    EXPECT_FALSE(hold->host_waiting());
-    std::thread waiter([&] { sim.synchronize_stream(0, held.handle); });
-    while (!hold->host_waiting()) std::this_thread::yield();
-    hold->Open();
-    waiter.join();
-    EXPECT_FALSE(hold->host_waiting());
-    EXPECT_FALSE(hold->opened_by_timeout());
-    EXPECT_FALSE(hold->opened_by_wait());
-  }
-  {
-    auto hold = sim.hold_stream(0, held.handle, SimBackend::HoldRelease::kByOwner,
-                                std::chrono::milliseconds(20));
-    sim.synchronize_stream(0, held.handle);  // returns once the deadline passed
-    EXPECT_TRUE(hold->opened_by_timeout());
-    EXPECT_FALSE(hold->opened_by_wait());
-  }
-  EXPECT_THROW(sim.hold_stream(0, held.handle, SimBackend::HoldRelease::kByOwner,
-                               std::chrono::milliseconds(-1)),
-               InvalidArgumentError);
-  sim.destroy_stream(0, held.handle);
-}
-
 TEST(SimBackendTest, FailEventAfterFailsTheNthCreateOrRecord) {
   SimBackend backend;
   backend.fail_event_after(2);

@@ -271,47 +271,6 @@ def test_two_threads_train_concurrently():
         assert_bitwise_equal(got, reference)
 
 
-def test_an_unpack_waiting_for_its_copy_lets_other_python_threads_run():
-    """Backward's unpack waits for its reload without the GIL: this thread sees it waiting and
-    lets the copy go. (With the GIL held it could not: the hold opened only when its 20 s ran
-    out, and a DataLoader's pin-memory thread stalled likewise.)"""
-    x = torch.randn(512, 512, requires_grad=True)
-    expected = 2 * x.detach()
-    with spillway.offload("eager", min_bytes=0):
-        y = x * x  # mul saves x (held by the test: not spilled) ...
-        loss = (y.exp() * 0).sum() + (x * x).sum()  # ... and exp its output, which is spilled
-        del y
-    spillway.synchronize()
-    hold = spillway._C.sim_hold_copy_stream("to_device", 0, 20.0)
-    errors = []
-
-    def backward():
-        try:
-            loss.backward()
-        except Exception as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-
-    thread = threading.Thread(target=backward)
-    thread.start()
-    seen_waiting = False
-    while thread.is_alive() and not seen_waiting:
-        seen_waiting = hold.host_waiting()
-    hold.open()
-    thread.join()
-    assert not errors, errors
-    assert seen_waiting and not hold.opened_by_timeout(), "the unpack held the GIL while waiting"
-    assert torch.equal(x.grad, expected)
-
-
-def test_sim_hold_copy_stream_checks_its_arguments():
-    with pytest.raises(ValueError, match="unknown direction 'sideways'"):
-        spillway._C.sim_hold_copy_stream("sideways", 0, 1.0)
-    with pytest.raises(ValueError, match="open_after_s must be"):
-        spillway._C.sim_hold_copy_stream("to_host", 0, -1.0)
-    with pytest.raises(ValueError, match="no simulated device 7"):
-        spillway._C.sim_hold_copy_stream("to_host", 7, 1.0)
-
-
 def test_subclasses_and_foreign_tensors_are_kept_and_counted():
     skipped = stat("spillway.skipped.subclass")
     x = torch.randn(16, 16).as_subclass(Tagged).requires_grad_()
