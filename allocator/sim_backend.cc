@@ -4,8 +4,10 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <iterator>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -84,11 +86,15 @@ class SimBackend::Stream {
     BlockUntil(lock, enqueued_);
   }
 
-  // Threads blocked until this stream reaches a position it has not reached yet: the host's, and
-  // other streams' workers running a wait on one of its events (`host_only`: not those).
-  int Waiters(bool host_only) {
+  // Threads blocked until this stream reaches `position` or later: the host's, and other
+  // streams' workers running a wait on one of its events (`host_only`: not those). A thread
+  // woken for an earlier position and not yet running again is not one.
+  int Waiters(bool host_only, uint64_t position) {
     std::lock_guard<std::mutex> lock(mu_);
-    return host_only ? host_waiters_ : host_waiters_ + stream_waiters_;
+    const auto from = [&](const std::multiset<uint64_t>& targets) {
+      return static_cast<int>(std::distance(targets.lower_bound(position), targets.end()));
+    };
+    return host_only ? from(host_targets_) : from(host_targets_) + from(stream_targets_);
   }
 
   // Returns and clears the sticky error, if any.
@@ -133,10 +139,10 @@ class SimBackend::Stream {
 
   void BlockUntil(std::unique_lock<std::mutex>& lock, uint64_t position) {
     if (completed_ >= position) return;
-    int& waiters = on_stream_worker ? stream_waiters_ : host_waiters_;
-    ++waiters;
+    std::multiset<uint64_t>& targets = on_stream_worker ? stream_targets_ : host_targets_;
+    const auto it = targets.insert(position);
     done_cv_.wait(lock, [&] { return completed_ >= position; });
-    --waiters;
+    targets.erase(it);
   }
 
   // Only the worker touches `rng_`.
@@ -157,8 +163,9 @@ class SimBackend::Stream {
   std::deque<Op> queue_;
   uint64_t enqueued_ = 0;
   uint64_t completed_ = 0;
-  int host_waiters_ = 0;
-  int stream_waiters_ = 0;
+  // Positions blocked threads wait for (BlockUntil).
+  std::multiset<uint64_t> host_targets_;
+  std::multiset<uint64_t> stream_targets_;
   bool stopping_ = false;
   std::optional<std::string> sticky_error_;
 
@@ -556,17 +563,21 @@ std::unique_ptr<SimBackend::StreamHold> SimBackend::hold_stream(int device,
   std::lock_guard<std::mutex> lock(mu_);
   std::shared_ptr<Stream> stream = FindStreamLocked("hold_stream", device, stream_handle);
   auto gate = std::make_shared<StreamGate>();
+  // Set before the gate's op can run: the op is its position (Enqueue's result).
+  auto position = std::make_shared<std::atomic<uint64_t>>(0);
   std::function<bool()> waited;
   if (release != HoldRelease::kByOwner) {
     // Raw: the op runs on the stream's own worker, which the stream outlives.
-    waited = [held = stream.get(), host_only = release == HoldRelease::kWhenHostWaits] {
-      return held->Waiters(host_only) > 0;
+    waited = [held = stream.get(), host_only = release == HoldRelease::kWhenHostWaits, position] {
+      const uint64_t at = position->load();
+      return at != 0 && held->Waiters(host_only, at) > 0;  // 0: not known yet
     };
   }
-  stream->Enqueue([gate, waited = std::move(waited)] {
+  // Under the backend's lock, as every enqueue: nothing lands between the gate and its position.
+  position->store(stream->Enqueue([gate, waited = std::move(waited)] {
     gate->Wait(waited);
     return std::optional<std::string>();
-  });
+  }));
   return std::make_unique<StreamHold>(gate);
 }
 

@@ -132,6 +132,13 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
     it = entries_.end();
   }
   if (it == entries_.end()) {
+    // A storage with a failed entry set aside keeps that binding for good: a second one would
+    // count the first as a holder, and the new entry would never be spilled.
+    if (failed_storage == nullptr && !detached_.empty()) {
+      for (const auto& [failed, entry] : detached_) {
+        if (entry->key == key) failed_storage = entry->storage;
+      }
+    }
     std::shared_ptr<Storage> storage =
         failed_storage != nullptr ? std::move(failed_storage) : make_storage();
     if (storage == nullptr) {

@@ -489,7 +489,10 @@ TEST(SimBackendTest, AHoldReleasedByWaitsOpensWhenWaitedFor) {
     sim.stream_wait_event(0, waiter.handle, behind);  // a stream's wait: not the host's
     const EventHandle after_wait = sim.create_event(0);
     sim.record_event(0, after_wait, waiter.handle);
-    // Another stream waits: this hold stays shut, and so does the waiting stream.
+    // Another stream waits: this hold stays shut, and so does the waiting stream. (A few of the
+    // gate's 1 ms looks first, so that a hold that took the stream's wait for the host's would
+    // have opened; under load this may look too early, never wrongly.)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
     EXPECT_FALSE(sim.query_event(0, after_wait));
     EXPECT_FALSE(hold->opened_by_wait());
     sim.synchronize_event(0, behind);  // the host waits: the hold opens

@@ -155,10 +155,11 @@ TEST_F(OffloadIntegrity, ADroppedPrefetchsCopyDoesNotLandOnTheNextOwner) {
   engine_->ForwardEnd();
   engine_->Synchronize();
   ASSERT_EQ(StateOf(a), Residency::kSpilled);
-  // The copies run once something waits for them: the drop, or (without its wait) only the
-  // engine's synchronization at the end, after the next owner wrote.
+  // The copies run once the host waits for them: the drop, or (without its wait) only the
+  // engine's synchronization at the end, after the next owner wrote. (The compute stream waits
+  // for b's reload all along: a stream's wait does not open this hold.)
   auto hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle,
-                                    SimBackend::HoldRelease::kWhenWaitedFor);
+                                    SimBackend::HoldRelease::kWhenHostWaits);
   engine_->Acquire(idb, compute_);  // b's reload, then a's prefetch, both queued behind the hold
   ASSERT_EQ(StateOf(a), Residency::kReloading);
   void* prefetch_block = a->data();

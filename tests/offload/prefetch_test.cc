@@ -119,6 +119,33 @@ TEST_F(OffloadPrefetchTest, OffloadAStorageSavedAgainPrefetchesFromTheSaveBeingR
   EXPECT_EQ(EngineStat("num_stalls"), 1);
 }
 
+// The older keeper of a storage saved twice reads it at its own save: prefetch goes on from
+// there, never from the storage's latest save (the saves between are read after it... in the
+// other graph's backward, or later in this one: they are not older than the save being read).
+TEST_F(OffloadPrefetchTest, OffloadAnOlderKeeperPrefetchesFromItsOwnSave) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 4 * kMiB;
+  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  auto before = NewStorage(2 * kMiB, 200);  // saved before the first save: older than it
+  const KeeperId before_id = Save(before);
+  before->holders = 0;
+  auto shared = NewStorage(2 * kMiB, 201);
+  const KeeperId first = Save(shared);
+  auto between = NewStorage(2 * kMiB, 202);
+  const KeeperId between_id = Save(between);
+  between->holders = 0;
+  const KeeperId again = Save(shared);
+  shared->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(between), Residency::kSpilled);
+  void* ptr = engine_->Acquire(first, compute_);
+  EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, 201));
+  EXPECT_EQ(StateOf(between), Residency::kSpilled) << "prefetched from the storage's latest save";
+  EXPECT_NE(StateOf(before), Residency::kSpilled) << "the save older than `first` stayed out";
+  for (const KeeperId id : {first, again, between_id, before_id}) engine_->RemoveKeeper(id);
+}
+
 // Two views of one storage acquired while its reload runs: one reload, one stall, timed from the
 // first acquire (the second counted another stall and restarted the clock).
 TEST_F(OffloadPrefetchTest, OffloadTwoViewsAcquiredDuringOneReloadAreOneStall) {

@@ -197,6 +197,30 @@ def test_a_released_storage_resized_and_saved_again_backs_the_new_save():
         old.backward()
 
 
+def test_a_released_storage_saved_again_after_its_new_saves_went_still_spills():
+    """The released storage's new entry goes with its saves while the old graph keeps the failed
+    one; a third save must not count the old entry's hold on the storage as the program's (it
+    did, and that save was never spilled)."""
+    a = torch.randn(256, 256, requires_grad=True)
+    h = torch.randn(256, 256)
+    with spillway.offload("eager", min_bytes=0):
+        old = (h * a).sum()
+    spillway.release(h, force=True)
+    h.resize_(0).resize_(256, 256).copy_(torch.randn(256, 256))
+    b = torch.randn(256, 256, requires_grad=True)
+    with spillway.offload("eager", min_bytes=0):
+        new = (h * b).sum()
+    del new  # its saves go: the storage has no entry now but the failed one
+    expected = torch.autograd.grad((h * b).sum(), b)[0]
+    spills = stat("spillway.num_spills")
+    with spillway.offload("eager", min_bytes=0):
+        third = (h * b).sum()
+        del h
+    assert stat("spillway.num_spills") == spills + 1
+    assert torch.equal(torch.autograd.grad(third, b)[0], expected)
+    del old
+
+
 def test_bad_arguments_are_value_errors():
     with pytest.raises(ValueError, match="expects a torch.Tensor"):
         spillway.keepers([1, 2, 3])
