@@ -316,29 +316,20 @@ TEST_F(OomTest, SmallRequestDoesNotTakeLargePoolSpaceOfAnotherStream) {
   allocator_->Free(big);
 }
 
-// A simulated device whose host waits open a held stream first: the out-of-memory ladder's wait
-// is then the moment that stream's work completes, whatever the timing.
-class OpenOnWaitBackend : public SimBackend {
- public:
-  using SimBackend::SimBackend;
-  void synchronize_event(int device, EventHandle event) override {
-    if (hold != nullptr) hold->Open();
-    SimBackend::synchronize_event(device, event);
-  }
-  std::unique_ptr<StreamHold> hold;
-};
-
+// The held streams below open when the host waits for their work: the out-of-memory ladder's wait
+// is then the moment that work completes, whatever the timing, and a ladder that does not wait
+// finds the block still pending.
 TEST(OomLadderTest, ABlockTheWaitFreedIsReusedWithoutADeviceRoundTrip) {
   SimBackend::Options options;
   options.capacity_bytes = 64 * kMiB;
-  auto backend = std::make_shared<OpenOnWaitBackend>(options);
+  auto backend = std::make_shared<SimBackend>(options);
   AllocatorConfig config;
   config.memory_limit_bytes = 20 * kMiB;
   CachingAllocator alloc(backend, config);
   const StreamRef main = backend->default_stream(0);
   const StreamRef side = backend->create_stream(0);
   void* p = alloc.Malloc(12 * kMiB, 0, main);  // a 12 MiB segment: a second one passes the limit
-  backend->hold = backend->hold_stream(0, side.handle);
+  auto hold = backend->hold_stream(0, side.handle, SimBackend::HoldRelease::kWhenHostWaits);
   alloc.RecordStream(p, side);
   alloc.Free(p);  // waits for `side`, which is held
   void* q = alloc.Malloc(12 * kMiB, 0, main);
@@ -348,7 +339,7 @@ TEST(OomLadderTest, ABlockTheWaitFreedIsReusedWithoutADeviceRoundTrip) {
   EXPECT_EQ(stats.at("num_device_free"), 0) << "its segment went back to the device and came again";
   EXPECT_EQ(stats.at("num_device_alloc"), 1);
   alloc.Free(q);
-  backend->hold.reset();
+  hold.reset();
 }
 
 // Under a watermark (the offload engine's budget) a block still read by another stream, as a
@@ -363,20 +354,20 @@ TEST(OomLadderTest, PendingBlocksAreAwaitedBeforeReservedPassesTheWatermark) {
   const auto run = [](std::optional<size_t> watermark) {
     SimBackend::Options options;
     options.capacity_bytes = 64 * kMiB;
-    auto backend = std::make_shared<OpenOnWaitBackend>(options);
+    auto backend = std::make_shared<SimBackend>(options);
     CachingAllocator alloc(backend, AllocatorConfig{});
     if (watermark.has_value()) alloc.SetWatermark(0, *watermark);
     const StreamRef main = backend->default_stream(0);
     const StreamRef copy = backend->create_stream(0);
     void* p = alloc.Malloc(12 * kMiB, 0, main);  // a 12 MiB segment
-    backend->hold = backend->hold_stream(0, copy.handle);
+    auto hold = backend->hold_stream(0, copy.handle, SimBackend::HoldRelease::kWhenHostWaits);
     alloc.RecordStream(p, copy);
     alloc.Free(p);  // waits for `copy`, which is held
     void* q = alloc.Malloc(12 * kMiB, 0, main);
     const auto stats = alloc.FlatStats(0);
     const Outcome outcome{q == p, stats.at("num_sync_all_streams"), stats.at("num_device_alloc")};
     alloc.Free(q);
-    backend->hold.reset();
+    hold.reset();
     return outcome;
   };
   const Outcome capped = run(16 * kMiB);  // a second segment would reserve 24 MiB
@@ -398,7 +389,7 @@ TEST(OomLadderTest, WhereAccessesFollowStreamsTheAllocatingStreamWaitsInsteadOfT
   SimBackend::Options options;
   options.capacity_bytes = 64 * kMiB;
   options.accesses_follow_streams = true;
-  auto backend = std::make_shared<OpenOnWaitBackend>(options);  // a host wait would open `copy`
+  auto backend = std::make_shared<SimBackend>(options);
   CachingAllocator alloc(backend, AllocatorConfig{});
   alloc.SetWatermark(0, 16 * kMiB);
   const StreamRef main = backend->default_stream(0);
@@ -412,8 +403,9 @@ TEST(OomLadderTest, WhereAccessesFollowStreamsTheAllocatingStreamWaitsInsteadOfT
   backend->synchronize_stream(0, main.handle);
   // A spill: the copy to the host reads the block on `copy` (held), and the block is freed.
   std::vector<uint8_t> spilled(kCopied);
-  // Opened by a stream's wait for the copy: `main`'s, once the block is handed over.
-  backend->hold = backend->hold_stream(0, copy.handle, SimBackend::HoldRelease::kWhenWaitedFor);
+  // Opened by a wait for the copy: `main`'s once the block is handed over (a host wait would
+  // open it too, and the test sees that in num_sync_all_streams).
+  auto hold = backend->hold_stream(0, copy.handle, SimBackend::HoldRelease::kWhenWaitedFor);
   backend->memcpy_async(0, spilled.data(), p, kCopied, CopyKind::kDeviceToHost, copy.handle);
   alloc.RecordStream(p, copy);
   alloc.Free(p);
@@ -427,8 +419,8 @@ TEST(OomLadderTest, WhereAccessesFollowStreamsTheAllocatingStreamWaitsInsteadOfT
   // would run with the copy still held, and the hold would stay shut.
   backend->memcpy_async(0, q, after.data(), kCopied, CopyKind::kHostToDevice, main.handle);
   backend->synchronize_stream(0, main.handle);
-  EXPECT_TRUE(backend->hold->opened_by_wait()) << "main did not wait for the copy";
-  backend->hold->Open();
+  EXPECT_TRUE(hold->opened_by_wait()) << "main did not wait for the copy";
+  hold->Open();
   backend->synchronize_stream(0, copy.handle);
   EXPECT_TRUE(spilled == before) << "the copy read the block before its new owner wrote it";
   std::vector<uint8_t> now(kCopied);
@@ -436,7 +428,7 @@ TEST(OomLadderTest, WhereAccessesFollowStreamsTheAllocatingStreamWaitsInsteadOfT
   backend->synchronize_stream(0, main.handle);
   EXPECT_TRUE(now == after) << "the new owner's bytes";
   alloc.Free(q);
-  backend->hold.reset();
+  hold.reset();
 }
 
 // The hand-over takes only blocks of the request's pool kind: a pending small block cannot serve
@@ -445,13 +437,13 @@ TEST(OomLadderTest, TheHandOverLeavesBlocksOfTheOtherPoolKindPending) {
   SimBackend::Options options;
   options.capacity_bytes = 64 * kMiB;
   options.accesses_follow_streams = true;
-  auto backend = std::make_shared<OpenOnWaitBackend>(options);
+  auto backend = std::make_shared<SimBackend>(options);
   CachingAllocator alloc(backend, AllocatorConfig{});
   alloc.SetWatermark(0, kMiB);  // every new segment passes it
   const StreamRef main = backend->default_stream(0);
   const StreamRef copy = backend->create_stream(0);
   void* small = alloc.Malloc(kMiB / 2, 0, main);
-  backend->hold = backend->hold_stream(0, copy.handle);
+  auto hold = backend->hold_stream(0, copy.handle, SimBackend::HoldRelease::kWhenHostWaits);
   alloc.RecordStream(small, copy);
   alloc.Free(small);
   void* large = alloc.Malloc(12 * kMiB, 0, main);
@@ -460,7 +452,7 @@ TEST(OomLadderTest, TheHandOverLeavesBlocksOfTheOtherPoolKindPending) {
       << "the small block was handed over to a large request";
   EXPECT_EQ(stats.at("num_sync_all_streams"), 0);
   alloc.Free(large);
-  backend->hold.reset();
+  hold.reset();
 }
 
 // Under a watermark only as many pending blocks are awaited as the request needs, oldest first:
@@ -473,7 +465,7 @@ TEST_P(AwaitOnlyWhatFitsTest, TheOldestPendingBlockServesAndTheOthersStayPending
   SimBackend::Options options;
   options.capacity_bytes = 64 * kMiB;
   options.accesses_follow_streams = GetParam();
-  auto backend = std::make_shared<OpenOnWaitBackend>(options);
+  auto backend = std::make_shared<SimBackend>(options);
   CachingAllocator alloc(backend, AllocatorConfig{});
   alloc.SetWatermark(0, 16 * kMiB);  // every new segment passes it
   const StreamRef main = backend->default_stream(0);
@@ -482,7 +474,7 @@ TEST_P(AwaitOnlyWhatFitsTest, TheOldestPendingBlockServesAndTheOthersStayPending
   std::vector<void*> spilled;
   spilled.reserve(3);
   for (int i = 0; i < 3; ++i) spilled.push_back(alloc.Malloc(kBytes, 0, main));
-  backend->hold = backend->hold_stream(0, copy.handle);
+  auto hold = backend->hold_stream(0, copy.handle, SimBackend::HoldRelease::kWhenHostWaits);
   // Freed newest-address first, so the oldest pending block is not the one best fit would pick.
   std::reverse(spilled.begin(), spilled.end());
   for (void* p : spilled) {
@@ -497,7 +489,7 @@ TEST_P(AwaitOnlyWhatFitsTest, TheOldestPendingBlockServesAndTheOthersStayPending
   EXPECT_EQ(stats.at("num_device_alloc"), 3);
   EXPECT_EQ(stats.at("num_sync_all_streams"), GetParam() ? 0 : 1);
   alloc.Free(q);
-  backend->hold.reset();
+  hold.reset();
   backend->synchronize_stream(0, copy.handle);
   alloc.EmptyCache();  // polls the events: the younger blocks' copies are done now
   EXPECT_EQ(alloc.FlatStats(0).at("active_bytes.all.current"), 0) << "the others were freed later";
