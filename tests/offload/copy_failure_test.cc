@@ -129,14 +129,7 @@ class DrainBeforeUploadsBackend : public SimBackend {
   std::function<void(int, StreamHandle)> before_upload;
 };
 
-class OffloadPrefetchHearsAFailure : public OffloadCopyFailure {
- protected:
-  std::shared_ptr<SimBackend> NewBackend(const SimBackend::Options& options) override {
-    draining_ = std::make_shared<DrainBeforeUploadsBackend>(options);
-    return draining_;
-  }
-  std::shared_ptr<DrainBeforeUploadsBackend> draining_;
-};
+using OffloadPrefetchHearsAFailure = WithSimBackend<OffloadCopyFailure, DrainBeforeUploadsBackend>;
 
 // The entry being acquired has its copy fail while its own Acquire prefetches an older entry, and
 // the prefetch's copy call on the same stream hears of the failure. Acquire must say the bytes
@@ -167,14 +160,14 @@ TEST_F(OffloadPrefetchHearsAFailure, OffloadAnAcquireWhosePrefetchFindsItsCopyFa
   // second: the failing copy runs first, and this upload hears of it.
   auto gate = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
   int uploads = 0;
-  draining_->before_upload = [&](int device, StreamHandle stream) {
+  sim_->before_upload = [&](int device, StreamHandle stream) {
     if (++uploads != 2) return;
     gate->Open();
-    draining_->SimBackend::synchronize_stream(device, stream);
+    sim_->SimBackend::synchronize_stream(device, stream);
   };
   ExpectLostAt([&] { WithNextCopyFailing([&] { engine_->Acquire(idb, compute_); }); },
                /*times=*/1);
-  draining_->before_upload = nullptr;
+  sim_->before_upload = nullptr;
   gate->Open();
   // b's, then the prefetch's that heard of the failure, then the prefetch's made again.
   EXPECT_EQ(uploads, 3) << "the prefetch did not run as arranged";

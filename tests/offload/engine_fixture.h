@@ -120,6 +120,18 @@ class OffloadEngineTest : public ::testing::Test {
   StreamRef compute_;
 };
 
+// Fixture `Base` on a simulated device of type `Sim` (one that answers differently), which the
+// tests reach, typed, as `sim_`.
+template <typename Base, typename Sim>
+class WithSimBackend : public Base {
+ protected:
+  std::shared_ptr<SimBackend> NewBackend(const SimBackend::Options& options) override {
+    sim_ = std::make_shared<Sim>(options);
+    return sim_;
+  }
+  std::shared_ptr<Sim> sim_;
+};
+
 inline OffloadConfig Policy(OffloadPolicy policy, size_t min_bytes = 0) {
   OffloadConfig config;
   config.policy = policy;

@@ -343,14 +343,7 @@ TEST_F(OffloadFaultInjection, OffloadDropWhilePrefetchingKeepsTheCopyOrdered) {
   DropAllAndExpectNoLeaks({idb});
 }
 
-class OffloadEngineConstruction : public OffloadEngineTest {
- protected:
-  std::shared_ptr<SimBackend> NewBackend(const SimBackend::Options& options) override {
-    failing_ = std::make_shared<FailingMemInfoBackend>(options);
-    return failing_;
-  }
-  std::shared_ptr<FailingMemInfoBackend> failing_;
-};
+using OffloadEngineConstruction = WithSimBackend<OffloadEngineTest, FailingMemInfoBackend>;
 
 // The budget fraction of `auto` on a device that already holds memory asks for the device total
 // as the engine is made. When that fails, the construction fails and the allocator keeps none of
@@ -359,9 +352,9 @@ class OffloadEngineConstruction : public OffloadEngineTest {
 TEST_F(OffloadEngineConstruction, AFailedConstructionLeavesNoCallbackInTheAllocator) {
   engine_.reset();
   void* held = allocator_->Malloc(4 * kMiB, 0, compute_);
-  failing_->fail_mem_info = true;
+  sim_->fail_mem_info = true;
   EXPECT_THROW(OffloadEngine(*allocator_, OffloadConfig{}), BackendError);
-  failing_->fail_mem_info = false;
+  sim_->fail_mem_info = false;
   // Room for it only if something gave memory back: the ladder asks every registered holder.
   EXPECT_THROW(allocator_->Malloc(250 * kMiB, 0, compute_), OutOfMemoryError);
   allocator_->Free(held);

@@ -29,14 +29,7 @@ class LaggingQueriesSimBackend : public SimBackend {
   std::atomic<bool> lag{false};
 };
 
-class OffloadHeardLate : public OffloadHeardFailure {
- protected:
-  std::shared_ptr<SimBackend> NewBackend(const SimBackend::Options& options) override {
-    lagging_ = std::make_shared<LaggingQueriesSimBackend>(options);
-    return lagging_;
-  }
-  std::shared_ptr<LaggingQueriesSimBackend> lagging_;
-};
+using OffloadHeardLate = WithSimBackend<OffloadHeardFailure, LaggingQueriesSimBackend>;
 
 // A simulated device on which the first failure a query reports, once armed, stalls the thread
 // that took it (before that thread can note it) until released.
@@ -57,14 +50,7 @@ class StallingSimBackend : public SimBackend {
   std::atomic<bool> armed{false}, taken{false}, released{false};
 };
 
-class OffloadHeardMidway : public OffloadHeardFailure {
- protected:
-  std::shared_ptr<SimBackend> NewBackend(const SimBackend::Options& options) override {
-    stalling_ = std::make_shared<StallingSimBackend>(options);
-    return stalling_;
-  }
-  std::shared_ptr<StallingSimBackend> stalling_;
-};
+using OffloadHeardMidway = WithSimBackend<OffloadHeardFailure, StallingSimBackend>;
 
 // A simulated device that tells the test when a query took a failure from it (`heard`); the
 // caller notes it under its allocator lock, which every later look at the noted errors takes.
@@ -101,13 +87,8 @@ class SignallingSimBackend : public SimBackend {
   std::atomic<StreamHandle> pause_waits_on{nullptr};
 };
 
-class OffloadHeardSignalled : public OffloadHeardFailure {
+class OffloadHeardSignalled : public WithSimBackend<OffloadHeardFailure, SignallingSimBackend> {
  protected:
-  std::shared_ptr<SimBackend> NewBackend(const SimBackend::Options& options) override {
-    signalling_ = std::make_shared<SignallingSimBackend>(options);
-    return signalling_;
-  }
-
   // Eager, no prefetch: `a_` saved and spilled by a copy that failed with nobody hearing of it;
   // `c_` made before anyone can (an allocation after the failing copy ran would hear of it
   // first), held by nobody, for the test to save on `side_`, whose hold keeps c's spill (which
@@ -144,7 +125,6 @@ class OffloadHeardSignalled : public OffloadHeardFailure {
     OffloadHeardFailure::TearDown();
   }
 
-  std::shared_ptr<SignallingSimBackend> signalling_;
   std::shared_ptr<TestStorage> a_, c_;
   KeeperId ida_ = 0;
   StreamRef side_;
@@ -160,12 +140,12 @@ TEST_F(OffloadHeardMidway, OffloadAFailureAnotherThreadIsStillFindingFailsTheSpi
   std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 100);
   const KeeperId ida = Save(a);
   SpillByACopyNobodyHearsFail(*a);  // a's old block waits in the allocator on the failed copy
-  stalling_->armed = true;
+  sim_->armed = true;
   std::thread finder([&] { allocator_->ProcessEvents(0); });  // polls that block's event
-  while (!stalling_->taken) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  while (!sim_->taken) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   std::thread releaser([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    stalling_->released = true;
+    sim_->released = true;
   });
   engine_->Synchronize();  // looks at a's copy: finds nothing; the failure is the finder's
   releaser.join();
@@ -192,10 +172,10 @@ TEST_F(OffloadHeardLate, OffloadADropThatHearsItsSpillFailedCountsItOnce) {
   const KeeperId ida = Save(a);
   SpillByACopyNobodyHearsFail(*a);
   ASSERT_EQ(EngineStat("spilled_bytes.current"), static_cast<int64_t>(4 * kMiB));
-  lagging_->lag = true;
+  sim_->lag = true;
   a.reset();
   engine_->RemoveKeeper(ida);
-  lagging_->lag = false;
+  sim_->lag = false;
   EXPECT_EQ(EngineStat("spilled_bytes.current"), static_cast<int64_t>(2 * kMiB));
   EXPECT_EQ(StateOf(b), Residency::kSpilled);
   EXPECT_EQ(AcquireAndRead(idb, 2 * kMiB), Pattern(2 * kMiB, 98));
@@ -316,7 +296,7 @@ TEST_F(OffloadHeardSignalled, OffloadAFailureToldTwiceIsActedOnOnce) {
                   c_.get(),
                   [&] {
                     making = true;
-                    EXPECT_TRUE(SignallingSimBackend::Await(signalling_->heard));
+                    EXPECT_TRUE(SignallingSimBackend::Await(sim_->heard));
                     return c_;
                   },
                   FloatView(c_->nbytes()), side_)
@@ -338,7 +318,7 @@ TEST_F(OffloadHeardSignalled, OffloadAFailureFoundBeforeACopyWasEnqueuedSparesIt
   ASSERT_NO_FATAL_FAILURE(MakeAFailedUnheardAndC(93));
   // c's spill, issued under the engine's lock, waits (for its producer) on the copy-out stream:
   // there it pauses until an allocation has heard of a's failure.
-  signalling_->pause_waits_on = engine_->d2h_stream_for_testing(0).handle;
+  sim_->pause_waits_on = engine_->d2h_stream_for_testing(0).handle;
   KeeperId idc = 0;
   std::thread saver([&] {
     idc = engine_
@@ -346,7 +326,7 @@ TEST_F(OffloadHeardSignalled, OffloadAFailureFoundBeforeACopyWasEnqueuedSparesIt
                   c_.get(), [&] { return c_; }, FloatView(c_->nbytes()), side_)
               .value();
   });
-  EXPECT_TRUE(SignallingSimBackend::Await(signalling_->paused));  // the saver must be joined
+  EXPECT_TRUE(SignallingSimBackend::Await(sim_->paused));  // the saver must be joined
   void* p = allocator_->Malloc(kMiB, 0, compute_);  // hears of a's failure; passes it on after
   saver.join();
   ASSERT_EQ(StateOf(c_), Residency::kSpilling) << "a failure found before c's spill failed it";
