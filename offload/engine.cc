@@ -9,8 +9,8 @@
 #include "allocator/history.h"
 #include "offload/engine_internal.h"
 
-// Residency and copies: registration, spill, reload, drop, synchronization. Copy failures are in
-// engine_failures.cc.
+// Residency and copies: spill, reload, drop, synchronization. Keepers are registered in
+// engine_keepers.cc, copy failures handled in engine_failures.cc.
 namespace spillway {
 
 thread_local int engine_depth = 0;
@@ -86,7 +86,9 @@ OffloadEngine::~OffloadEngine() {
   }
   // Entries still alive give their host copies back before the pools go.
   for (auto& [key, entry] : entries_) ReleaseHost(*entry, std::nullopt);
-  for (auto& [key, entry] : detached_) ReleaseHost(*entry, std::nullopt);
+  for (auto& [key, set_aside] : detached_) {
+    for (auto& entry : set_aside) ReleaseHost(*entry, std::nullopt);
+  }
   entries_.clear();
   detached_.clear();
 }
@@ -108,126 +110,6 @@ EventHandle OffloadEngine::TakeEvent(DeviceContext& dc) {
   return e;
 }
 
-// `view` by value: it is moved into the entry (clang-tidy 14 misreads that as a const use).
-// NOLINTBEGIN(performance-unnecessary-value-param)
-std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
-                                                 const StorageFactory& make_storage, ViewInfo view,
-                                                 StreamRef producer) {
-  // NOLINTEND(performance-unnecessary-value-param)
-  if (key == nullptr || !make_storage) {
-    throw InvalidArgumentError("OffloadEngine::AddKeeper: key and storage factory must be given");
-  }
-  EngineLock lock(mutex_);
-  auto it = entries_.find(key);
-  // The storage's saved bytes are lost, and it has memory again (resized after a forced release,
-  // say): a new save reads that memory. It gets an entry of its own; joined to the failed one,
-  // its unpack raised too. The two share the storage's binding, which counts as one holder.
-  std::shared_ptr<Storage> failed_storage;
-  if (it != entries_.end() && it->second->state == Residency::kFailed &&
-      it->second->storage->data() != nullptr) {
-    const Entry* failed = it->second.get();
-    failed_storage = failed->storage;
-    detached_.emplace(failed, std::move(it->second));
-    entries_.erase(it);
-    it = entries_.end();
-  }
-  if (it == entries_.end()) {
-    // A storage with a failed entry set aside keeps that binding for good: a second one would
-    // count the first as a holder, and the new entry would never be spilled.
-    if (failed_storage == nullptr && !detached_.empty()) {
-      for (const auto& [failed, entry] : detached_) {
-        if (entry->key == key) failed_storage = entry->storage;
-      }
-    }
-    std::shared_ptr<Storage> storage =
-        failed_storage != nullptr ? std::move(failed_storage) : make_storage();
-    if (storage == nullptr) {
-      throw InvalidArgumentError("OffloadEngine::AddKeeper: the storage factory returned null");
-    }
-    const size_t nbytes = storage->nbytes();
-    if (nbytes == 0) {
-      CountSkip(kSkipEmpty);
-      return std::nullopt;
-    }
-    const auto info = allocator_.Lookup(storage->data());
-    if (!info || info->ptr != storage->data() || info->requested < nbytes) {
-      CountSkip(kSkipForeign);
-      return std::nullopt;
-    }
-    auto entry = std::make_unique<Entry>();
-    entry->key = key;
-    entry->storage = std::move(storage);
-    entry->nbytes = nbytes;
-    entry->device = info->device;
-    entry->producer = producer;
-    entry->block_stream = info->stream;
-    entry->seq = next_seq_++;
-    if (nbytes < config_.min_bytes) {
-      entry->policy_refused = true;
-      CountSkip(kSkipSmall);
-    } else {
-      WindowAdd(*entry);
-      // A save under "off" is never spilled by a policy (saved_under_off, below).
-      if (config_.policy != OffloadPolicy::kOff) spill_candidates_[entry->seq] = entry.get();
-    }
-    by_seq_[entry->seq] = entry.get();
-    it = entries_.emplace(key, std::move(entry)).first;
-    ++stats_.num_entries;
-  }
-  Entry& e = *it->second;
-  // Saved before, and other saves since: backward reads it first at this save. Auto's spill order
-  // and window take it as new (it kept its first save's place, outside the window, and went
-  // first); older keepers keep their seqs, so each backward prefetches from its own save.
-  if (e.seq != next_seq_ - 1) Resequence(e);
-  // A spill waits for the stream of the latest save: the program wrote the storage there last
-  // (the stream of an earlier save, whose graph may be gone, knows nothing of that write), and a
-  // race-free program ordered that stream after every earlier write.
-  e.producer = producer;
-  // Each save follows the block it was saved in: a storage saved in an "off" block (say, nested in
-  // an "eager" one) stays on the device after that block ends, too.
-  if (config_.policy == OffloadPolicy::kOff) e.saved_under_off = true;
-  const KeeperId id = next_keeper_++;
-  e.keepers.emplace(id, std::move(view));
-  keepers_[id] = Keeper{&e, e.seq};
-  try {
-    RunPolicy();
-  } catch (...) {
-    RemoveKeeper(id);  // the caller never learns the id: the keeper must not outlive the call
-    throw;
-  }
-  ++stats_.num_keepers;
-  return id;
-}
-
-void OffloadEngine::Resequence(Entry& e) {
-  Window& w = windows_[static_cast<size_t>(e.device)];
-  const bool sized = w.sized.contains(e.seq);
-  if (sized) WindowRemove(e);
-  by_seq_.erase(e.seq);
-  const bool candidate = spill_candidates_.erase(e.seq) != 0;
-  const bool offloaded = offloaded_.erase(e.seq) != 0;
-  e.seq = next_seq_++;
-  by_seq_[e.seq] = &e;
-  if (candidate) spill_candidates_[e.seq] = &e;
-  if (offloaded) offloaded_[e.seq] = &e;
-  if (sized) WindowAdd(e);
-}
-
-const OffloadEngine::Keeper& OffloadEngine::KeeperOf(KeeperId id) const {
-  auto it = keepers_.find(id);
-  if (it == keepers_.end()) {
-    throw InvalidArgumentError(absl::StrFormat(
-        "offload keeper %d is not registered (released already, or never added)", id));
-  }
-  return it->second;
-}
-
-std::shared_ptr<Storage> OffloadEngine::StorageOf(KeeperId id) const {
-  EngineLock lock(mutex_);
-  auto it = keepers_.find(id);
-  return it == keepers_.end() ? nullptr : it->second.entry->storage;
-}
-
 void OffloadEngine::WaitResident(KeeperId id) {
   EngineLock lock(mutex_);
   Entry& e = EntryOf(id);
@@ -242,14 +124,6 @@ void OffloadEngine::ThrowLost(const Entry& e) {
                               FormatBytes(e.nbytes), e.failure));
 }
 
-void OffloadEngine::RemoveKeeper(KeeperId id) {
-  EngineLock lock(mutex_);
-  Entry& e = EntryOf(id);
-  keepers_.erase(id);
-  e.keepers.erase(id);
-  if (e.keepers.empty()) Drop(e);
-}
-
 void OffloadEngine::Drop(Entry& e) {
   DiscardCopies(e);
   if (e.copy_done != nullptr) Device(e.device).spare.push_back(e.copy_done);
@@ -260,7 +134,14 @@ void OffloadEngine::Drop(Entry& e) {
   offloaded_.erase(e.seq);
   --stats_.num_entries;
   // Destroys `e`, releasing the engine's hold on the storage.
-  if (detached_.erase(&e) == 0) entries_.erase(e.key);
+  const auto current = entries_.find(e.key);
+  if (current != entries_.end() && current->second.get() == &e) {
+    entries_.erase(current);
+  } else {  // set aside: the storage has a newer entry
+    auto& set_aside = detached_.at(e.key);
+    std::erase_if(set_aside, [&e](const std::unique_ptr<Entry>& d) { return d.get() == &e; });
+    if (set_aside.empty()) detached_.erase(e.key);
+  }
 }
 
 void OffloadEngine::MarkReleased(const void* key, const std::string& why) {

@@ -197,6 +197,10 @@ class OffloadEngine {
   DeviceContext& Device(int device);
   // The keeper `id`, or InvalidArgumentError when it is not registered.
   const Keeper& KeeperOf(KeeperId id) const;
+  // The entry a save of `key` joins: the storage's, or a new one (a failed entry whose storage
+  // has memory again is set aside in detached_). Null when the engine cannot keep the storage
+  // (empty, or not a whole block of its allocator), counted as a skip.
+  Entry* EntryForSave(const void* key, const StorageFactory& make_storage, StreamRef producer);
   Entry& EntryOf(KeeperId id) const { return *KeeperOf(id).entry; }
   // Settles a spilling or reloading entry whose copy has completed; with `wait`, blocks the host
   // until it has. A failed copy makes the entry kFailed.
@@ -302,10 +306,10 @@ class OffloadEngine {
   OffloadConfig config_;
   std::vector<std::unique_ptr<DeviceContext>> devices_;
   absl::flat_hash_map<const void*, std::unique_ptr<Entry>> entries_;
-  // Failed entries (bytes lost) whose storage was saved again after it was given memory again
-  // (resized after a forced release, say): the new save has an entry of its own in entries_,
-  // and these live on for their keepers, whose unpack raises, until those go.
-  absl::flat_hash_map<const Entry*, std::unique_ptr<Entry>> detached_;
+  // Per storage key, failed entries (bytes lost) set aside when the storage was saved again after
+  // it was given memory again (resized after a forced release, say): the new save has an entry of
+  // its own in entries_, and these live on for their keepers, whose unpack raises, until those go.
+  absl::flat_hash_map<const void*, std::vector<std::unique_ptr<Entry>>> detached_;
   absl::flat_hash_map<KeeperId, Keeper> keepers_;
   absl::btree_map<uint64_t, Entry*> by_seq_;  // save order
   // Per allocator that found them, the number (StreamError::seq) of the last copy-stream failure

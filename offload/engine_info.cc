@@ -50,7 +50,8 @@ std::vector<const void*> OffloadEngine::EntryKeys() const {
   keys.reserve(by_seq_.size());
   for (const auto& [seq, entry] : by_seq_) {
     // A detached entry's key names its storage's current entry, listed in its own place.
-    if (!detached_.contains(entry)) keys.push_back(entry->key);
+    const auto current = entries_.find(entry->key);
+    if (current != entries_.end() && current->second.get() == entry) keys.push_back(entry->key);
   }
   return keys;
 }
