@@ -1,20 +1,14 @@
 #include "allocator/sim_backend.h"
 
-#include <condition_variable>
 #include <cstring>
-#include <deque>
-#include <functional>
-#include <iterator>
 #include <optional>
-#include <random>
-#include <set>
 #include <string>
-#include <thread>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "allocator/errors.h"
+#include "allocator/sim_stream.h"
 
 namespace spillway {
 namespace {
@@ -28,150 +22,7 @@ size_t RoundUpToAlignment(size_t bytes) {
 
 size_t CopyKindIndex(CopyKind kind) { return static_cast<size_t>(kind); }
 
-// Set on streams' worker threads: a wait there is a stream's, not the host's.
-thread_local bool on_stream_worker = false;
-
 }  // namespace
-
-// One simulated stream: a FIFO of ops run by a dedicated worker thread.
-//
-// Positions are 1-based: the op returned as position p has run once `completed >= p`. This is what
-// makes events cheap: an event is just (stream, position).
-//
-// Lifetime: the backend holds every live stream and calls `Shutdown` (drain, then join) before it
-// lets go, so a `Stream` is never destroyed with a running worker, and never on its own worker.
-class SimBackend::Stream {
- public:
-  // Returns an error message when the op failed (only injected copy failures do).
-  using Op = std::function<std::optional<std::string>()>;
-
-  Stream(int device, uint64_t id, std::chrono::microseconds max_jitter, uint64_t seed)
-      : device_(device), id_(id), max_jitter_(max_jitter), rng_(seed), worker_([this] { Run(); }) {}
-
-  ~Stream() { Shutdown(); }
-
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-
-  int device() const { return device_; }
-  uint64_t id() const { return id_; }
-  StreamHandle handle() { return this; }
-
-  // Returns the op's position.
-  uint64_t Enqueue(Op op) {
-    uint64_t position;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) throw BackendError("enqueue", absl::StrFormat("stream %d is destroyed", id_));
-      queue_.push_back(std::move(op));
-      position = ++enqueued_;
-    }
-    work_cv_.notify_one();
-    return position;
-  }
-
-  bool Reached(uint64_t position) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return completed_ >= position;
-  }
-
-  void WaitFor(uint64_t position) {
-    std::unique_lock<std::mutex> lock(mu_);
-    BlockUntil(lock, position);
-  }
-
-  // Waits for everything enqueued before this call.
-  void Drain() {
-    std::unique_lock<std::mutex> lock(mu_);
-    BlockUntil(lock, enqueued_);
-  }
-
-  // Threads blocked until this stream reaches `position` or later: the host's, and other
-  // streams' workers running a wait on one of its events (`host_only`: not those). A thread
-  // woken for an earlier position and not yet running again is not one.
-  int Waiters(bool host_only, uint64_t position) {
-    std::lock_guard<std::mutex> lock(mu_);
-    const auto from = [&](const std::multiset<uint64_t>& targets) {
-      return static_cast<int>(std::distance(targets.lower_bound(position), targets.end()));
-    };
-    return host_only ? from(host_targets_) : from(host_targets_) + from(stream_targets_);
-  }
-
-  // Returns and clears the sticky error, if any.
-  std::optional<std::string> TakeError() {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::optional<std::string> error = std::move(sticky_error_);
-    sticky_error_.reset();
-    return error;
-  }
-
-  // Runs everything still queued, then joins the worker. Idempotent.
-  void Shutdown() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping_ = true;
-    }
-    work_cv_.notify_one();
-    if (worker_.joinable()) worker_.join();
-  }
-
- private:
-  void Run() {
-    on_stream_worker = true;
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      work_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // Stopping, and everything enqueued has run.
-      Op op = std::move(queue_.front());
-      queue_.pop_front();
-      lock.unlock();
-      SleepJitter();
-      std::optional<std::string> error = op();
-      // Drop what the op captured (buffers' owners, other streams) before reporting completion, so
-      // a waiter that then tears things down never races with this thread.
-      op = nullptr;
-      lock.lock();
-      if (error.has_value() && !sticky_error_.has_value()) sticky_error_ = std::move(error);
-      ++completed_;
-      done_cv_.notify_all();
-    }
-  }
-
-  void BlockUntil(std::unique_lock<std::mutex>& lock, uint64_t position) {
-    if (completed_ >= position) return;
-    std::multiset<uint64_t>& targets = on_stream_worker ? stream_targets_ : host_targets_;
-    const auto it = targets.insert(position);
-    done_cv_.wait(lock, [&] { return completed_ >= position; });
-    targets.erase(it);
-  }
-
-  // Only the worker touches `rng_`.
-  void SleepJitter() {
-    if (max_jitter_.count() <= 0) return;
-    std::uniform_int_distribution<int64_t> dist(0, max_jitter_.count());
-    std::this_thread::sleep_for(std::chrono::microseconds(dist(rng_)));
-  }
-
-  const int device_;
-  const uint64_t id_;
-  const std::chrono::microseconds max_jitter_;
-  std::mt19937_64 rng_;
-
-  std::mutex mu_;
-  std::condition_variable work_cv_;  // Signalled when an op is queued or on shutdown.
-  std::condition_variable done_cv_;  // Signalled when an op completes.
-  std::deque<Op> queue_;
-  uint64_t enqueued_ = 0;
-  uint64_t completed_ = 0;
-  // Positions blocked threads wait for (BlockUntil).
-  std::multiset<uint64_t> host_targets_;
-  std::multiset<uint64_t> stream_targets_;
-  bool stopping_ = false;
-  std::optional<std::string> sticky_error_;
-
-  // Last: it starts running `Run` during construction, after everything above is initialized.
-  std::thread worker_;
-};
 
 // Guarded by the backend's `mu_`. A never-recorded event has no stream and is complete.
 struct SimBackend::Event {
@@ -527,58 +378,6 @@ void SimBackend::stream_wait_event(int device, StreamHandle stream_handle, Event
     producer->WaitFor(target);
     return std::optional<std::string>();
   });
-}
-
-void SimBackend::StreamGate::Open() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    open_ = true;
-  }
-  cv_.notify_all();
-}
-
-void SimBackend::StreamGate::Wait(const std::function<bool()>& waited) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!waited) {
-    cv_.wait(lock, [this] { return open_; });
-    return;
-  }
-  while (!open_) {
-    if (cv_.wait_for(lock, std::chrono::milliseconds(1), [this] { return open_; })) return;
-    lock.unlock();
-    const bool now = waited();  // without the gate's lock: it takes the stream's
-    lock.lock();
-    if (now && !open_) open_ = opened_by_wait_ = true;
-  }
-}
-
-bool SimBackend::StreamGate::opened_by_wait() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return opened_by_wait_;
-}
-
-std::unique_ptr<SimBackend::StreamHold> SimBackend::hold_stream(int device,
-                                                                StreamHandle stream_handle,
-                                                                HoldRelease release) {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::shared_ptr<Stream> stream = FindStreamLocked("hold_stream", device, stream_handle);
-  auto gate = std::make_shared<StreamGate>();
-  // Set before the gate's op can run: the op is its position (Enqueue's result).
-  auto position = std::make_shared<std::atomic<uint64_t>>(0);
-  std::function<bool()> waited;
-  if (release != HoldRelease::kByOwner) {
-    // Raw: the op runs on the stream's own worker, which the stream outlives.
-    waited = [held = stream.get(), host_only = release == HoldRelease::kWhenHostWaits, position] {
-      const uint64_t at = position->load();
-      return at != 0 && held->Waiters(host_only, at) > 0;  // 0: not known yet
-    };
-  }
-  // Under the backend's lock, as every enqueue: nothing lands between the gate and its position.
-  position->store(stream->Enqueue([gate, waited = std::move(waited)] {
-    gate->Wait(waited);
-    return std::optional<std::string>();
-  }));
-  return std::make_unique<StreamHold>(gate);
 }
 
 void SimBackend::memcpy_async(int device, void* dst, const void* src, size_t bytes, CopyKind kind,

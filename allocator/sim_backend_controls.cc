@@ -1,11 +1,16 @@
-// The simulated device's test controls: fault injection and the counters tests read. The device
-// itself (memory, streams, events, copies) is in sim_backend.cc.
+// The simulated device's test controls: fault injection, held streams and the counters tests read.
+// The device itself (memory, streams, events, copies) is in sim_backend.cc and sim_stream.cc.
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <mutex>
 
 #include "absl/strings/str_format.h"
 #include "allocator/errors.h"
 #include "allocator/sim_backend.h"
+#include "allocator/sim_stream.h"
 
 namespace spillway {
 namespace {
@@ -80,6 +85,58 @@ int64_t SimBackend::num_copies() const { return num_copies_.load(std::memory_ord
 
 size_t SimBackend::bytes_copied(CopyKind kind) const {
   return bytes_copied_.at(static_cast<size_t>(kind)).load(std::memory_order_relaxed);
+}
+
+void SimBackend::StreamGate::Open() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+  }
+  cv_.notify_all();
+}
+
+void SimBackend::StreamGate::Wait(const std::function<bool()>& waited) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!waited) {
+    cv_.wait(lock, [this] { return open_; });
+    return;
+  }
+  while (!open_) {
+    if (cv_.wait_for(lock, std::chrono::milliseconds(1), [this] { return open_; })) return;
+    lock.unlock();
+    const bool now = waited();  // without the gate's lock: it takes the stream's
+    lock.lock();
+    if (now && !open_) open_ = opened_by_wait_ = true;
+  }
+}
+
+bool SimBackend::StreamGate::opened_by_wait() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return opened_by_wait_;
+}
+
+std::unique_ptr<SimBackend::StreamHold> SimBackend::hold_stream(int device,
+                                                                StreamHandle stream_handle,
+                                                                HoldRelease release) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::shared_ptr<Stream> stream = FindStreamLocked("hold_stream", device, stream_handle);
+  auto gate = std::make_shared<StreamGate>();
+  // Set before the gate's op can run: the op is its position (Enqueue's result).
+  auto position = std::make_shared<std::atomic<uint64_t>>(0);
+  std::function<bool()> waited;
+  if (release != HoldRelease::kByOwner) {
+    // Raw: the op runs on the stream's own worker, which the stream outlives.
+    waited = [held = stream.get(), host_only = release == HoldRelease::kWhenHostWaits, position] {
+      const uint64_t at = position->load();
+      return at != 0 && held->Waiters(host_only, at) > 0;  // 0: not known yet
+    };
+  }
+  // Under the backend's lock, as every enqueue: nothing lands between the gate and its position.
+  position->store(stream->Enqueue([gate, waited = std::move(waited)] {
+    gate->Wait(waited);
+    return std::optional<std::string>();
+  }));
+  return std::make_unique<StreamHold>(gate);
 }
 
 }  // namespace spillway
