@@ -232,9 +232,11 @@ void OffloadEngine::Refresh(Entry& e, bool wait) {
     return;
   }
   e.state = Residency::kResident;
-  if (e.stall_since_us != 0) {
-    stats_.stall_us += NowMicros() - e.stall_since_us;
-    e.stall_since_us = 0;
+  if (e.stall_since.has_value()) {
+    stats_.stall_us += std::chrono::duration_cast<std::chrono::microseconds>(
+                           std::chrono::steady_clock::now() - *e.stall_since)
+                           .count();
+    e.stall_since.reset();
   }
   // The H2D copy has completed. A prefetch nobody acquired yet keeps its host copy, so that the
   // out-of-memory rescue can take the device copy back for free (GiveBackPrefetches).
@@ -243,9 +245,9 @@ void OffloadEngine::Refresh(Entry& e, bool wait) {
 
 void OffloadEngine::StartStall(Entry& e) {
   // One reload is one stall, however many views of the storage are acquired while it runs.
-  if (e.stall_since_us != 0) return;
+  if (e.stall_since.has_value()) return;
   ++stats_.num_stalls;
-  e.stall_since_us = NowMicros();
+  e.stall_since = std::chrono::steady_clock::now();
 }
 
 bool OffloadEngine::Eligible(const Entry& e) const {

@@ -4,7 +4,9 @@
 // Not part of the engine's interface.
 #pragma once
 
+#include <chrono>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,8 +69,10 @@ struct OffloadEngine::Entry {
   // The reason of the last refused spill, counted when it was refused; cleared by a spill, so
   // that a refusal after one counts again.
   std::string_view skipped_for;
-  int64_t stall_since_us = 0;  // consumer is waiting since then (0 = nobody waits)
-  std::string failure;         // why the bytes are lost (state kFailed)
+  // A consumer waits since then (none: nobody waits). A steady clock: stall_us is a duration, and
+  // a wall-clock step while backward waited would count it wrong (negative, even).
+  std::optional<std::chrono::steady_clock::time_point> stall_since;
+  std::string failure;  // why the bytes are lost (state kFailed)
   // Reloaded while still spilling: the D2H copy the reload reads from, until seen complete. Its
   // failure fails the entry although it is reloading by then (FailInFlight).
   EventHandle spill_done = nullptr;
