@@ -186,6 +186,9 @@ class SimBackend : public Backend {
   // not when it is enqueued: synchronize before reading them.
   int64_t num_copies() const;
   size_t bytes_copied(CopyKind kind) const;
+  // Host threads blocked until work on `stream` is done (a stream or event synchronization): a
+  // test learns that a thread it started is waiting there, without a timed guess.
+  int host_waiters(int device, StreamHandle stream) const;
 
  private:
   class Stream;

@@ -76,6 +76,15 @@ size_t SimBackend::host_bytes_in_use() const {
   return host_used_;
 }
 
+int SimBackend::host_waiters(int device, StreamHandle stream_handle) const {
+  std::shared_ptr<Stream> stream;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stream = FindStreamLocked("host_waiters", device, stream_handle);
+  }
+  return stream->Waiters(/*host_only=*/true, /*position=*/0);
+}
+
 size_t SimBackend::num_live_events() const {
   std::lock_guard<std::mutex> lock(mu_);
   return events_.size();

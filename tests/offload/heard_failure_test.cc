@@ -32,12 +32,14 @@ class LaggingQueriesSimBackend : public SimBackend {
 using OffloadHeardLate = WithSimBackend<OffloadHeardFailure, LaggingQueriesSimBackend>;
 
 // A simulated device on which the first failure a query reports, once armed, stalls the thread
-// that took it (before that thread can note it) until released.
+// that took it (before that thread can note it) until released; `looks` counts the other
+// threads' looks at events meanwhile.
 class StallingSimBackend : public SimBackend {
  public:
   using SimBackend::SimBackend;
   bool query_event(int device, EventHandle event) override {
     try {
+      CountLook();
       return SimBackend::query_event(device, event);
     } catch (const BackendError&) {
       if (armed.exchange(false)) {
@@ -47,7 +49,17 @@ class StallingSimBackend : public SimBackend {
       throw;
     }
   }
+  void synchronize_event(int device, EventHandle event) override {
+    CountLook();
+    SimBackend::synchronize_event(device, event);
+  }
   std::atomic<bool> armed{false}, taken{false}, released{false};
+  std::atomic<int> looks{0};
+
+ private:
+  void CountLook() {
+    if (taken && !released) ++looks;
+  }
 };
 
 using OffloadHeardMidway = WithSimBackend<OffloadHeardFailure, StallingSimBackend>;
@@ -143,8 +155,14 @@ TEST_F(OffloadHeardMidway, OffloadAFailureAnotherThreadIsStillFindingFailsTheSpi
   sim_->armed = true;
   std::thread finder([&] { allocator_->ProcessEvents(0); });  // polls that block's event
   while (!sim_->taken) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  // Released once the engine has looked at a's copy, and found nothing: the failure is the
+  // finder's, still to be noted.
   std::thread releaser([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (sim_->looks == 0 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    EXPECT_GT(sim_->looks, 0) << "the engine never looked at a's copy";
     sim_->released = true;
   });
   engine_->Synchronize();  // looks at a's copy: finds nothing; the failure is the finder's
@@ -256,7 +274,7 @@ TEST_F(OffloadHeardFailure, OffloadAFailureAnotherThreadIsPassingOnFailsTheReloa
 
   // The engine waits for x's copy under its lock, then looks at a's spill.
   std::thread engine_thread([&] { engine_->Synchronize(); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_TRUE(AwaitHostWaiter(engine_->h2d_stream_for_testing(0))) << "the engine never waited";
   compute_hold->Open();  // a's spill copy runs, and fails
   // This allocation waits for a's old block, hears of the failure, gets the block and then waits
   // for the engine's lock to pass the failure on; the hold opens meanwhile. (Should the threads
