@@ -57,18 +57,15 @@ TEST_F(OffloadCopyFailure, OffloadAReloadStopsWhenItsAllocationFindsItsSpillFail
   void* filler = allocator_->Malloc(52 * kMiB, 0, compute_);
   ASSERT_EQ(backend_->bytes_in_use(0), 64 * kMiB);
   a->holders = 0;
-  auto hold = backend_->hold_stream(0, compute_.handle);
+  // a's copy to the host waits behind this hold until the host waits for it: Acquire's own look
+  // at the copy finds it not run, and the allocator's wait for the block opens the hold and finds
+  // the failure.
+  auto hold = backend_->hold_stream(0, engine_->d2h_stream_for_testing(0).handle,
+                                    SimBackend::HoldRelease::kWhenHostWaits);
   WithNextCopyFailing([&] { engine_->ForwardEnd(); });  // a's copy to the host
   ASSERT_EQ(StateOf(a), Residency::kSpilling);
-  // Acquire's own look at the copy comes first and finds it not run; the allocator's wait for the
-  // block comes next and finds the failure once the hold opens. (Should the hold open before that
-  // first look, Acquire finds the failure there: the outcome is the same.)
-  std::thread opener([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    hold->Open();
-  });
   ExpectLostAt([&] { engine_->Acquire(ida, compute_); }, /*times=*/1);
-  opener.join();
+  EXPECT_TRUE(hold->opened_by_wait());
   EXPECT_EQ(StateOf(a), Residency::kFailed);
   EXPECT_EQ(a->data(), nullptr) << "the block taken for the reload was kept";
   ExpectLost(ida);
