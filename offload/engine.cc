@@ -138,9 +138,10 @@ void OffloadEngine::Drop(Entry& e) {
   if (current != entries_.end() && current->second.get() == &e) {
     entries_.erase(current);
   } else {  // set aside: the storage has a newer entry
-    auto& set_aside = detached_.at(e.key);
+    const void* const key = e.key;  // `e` is gone once erased
+    auto& set_aside = detached_.at(key);
     std::erase_if(set_aside, [&e](const std::unique_ptr<Entry>& d) { return d.get() == &e; });
-    if (set_aside.empty()) detached_.erase(e.key);
+    if (set_aside.empty()) detached_.erase(key);
   }
 }
 

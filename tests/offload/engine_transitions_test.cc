@@ -143,6 +143,15 @@ TEST_F(OffloadTransitions, ANewSaveOfAReleasedStorageGivenMemoryAgainIsItsOwn) {
   engine_->RemoveKeeper(new_id);
   EXPECT_EQ(EngineStat("num_entries"), 0);
   EXPECT_FALSE(engine_->Describe(s.get()).has_value());
+  // Every save gone, the key is free: another storage at that address (one made after the first
+  // was freed) is saved as itself. (Dropping the set-aside entry read its key after freeing it,
+  // left its storage's key behind with no entry, and this save read a freed entry.)
+  auto other = NewStorage(2 * kMiB, 6);
+  const KeeperId other_id =
+      engine_->AddKeeper(s.get(), [&] { return other; }, FloatView(2 * kMiB), compute_).value();
+  EXPECT_EQ(engine_->StorageOf(other_id), other) << "bound to the storage set aside before";
+  engine_->RemoveKeeper(other_id);
+  EXPECT_EQ(EngineStat("num_entries"), 0);
 }
 
 TEST_F(OffloadTransitions, TrimHostMemoryGivesBackChunksNoSpillUses) {
