@@ -133,15 +133,23 @@ void OffloadEngine::Drop(Entry& e) {
   WindowRemove(e);
   offloaded_.erase(e.seq);
   --stats_.num_entries;
-  // Destroys `e`, releasing the engine's hold on the storage.
-  const auto current = entries_.find(e.key);
-  if (current != entries_.end() && current->second.get() == &e) {
+  // Taken out of its map, which is left whole before `e` is destroyed (at the end of this scope,
+  // releasing the engine's hold on the storage): the storage's last release can run code that
+  // comes back to the engine (a Python finalizer saving or dropping a tensor).
+  std::unique_ptr<Entry> gone;
+  const void* const key = e.key;
+  if (const auto current = entries_.find(key);
+      current != entries_.end() && current->second.get() == &e) {
+    gone = std::move(current->second);
     entries_.erase(current);
   } else {  // set aside: the storage has a newer entry
-    const void* const key = e.key;  // `e` is gone once erased
-    auto& set_aside = detached_.at(key);
-    std::erase_if(set_aside, [&e](const std::unique_ptr<Entry>& d) { return d.get() == &e; });
-    if (set_aside.empty()) detached_.erase(key);
+    auto set_aside = detached_.find(key);
+    std::vector<std::unique_ptr<Entry>>& aside = set_aside->second;
+    const auto it = std::find_if(aside.begin(), aside.end(),
+                                 [&e](const std::unique_ptr<Entry>& d) { return d.get() == &e; });
+    gone = std::move(*it);
+    aside.erase(it);
+    if (aside.empty()) detached_.erase(set_aside);
   }
 }
 

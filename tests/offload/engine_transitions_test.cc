@@ -147,11 +147,49 @@ TEST_F(OffloadTransitions, ANewSaveOfAReleasedStorageGivenMemoryAgainIsItsOwn) {
   // was freed) is saved as itself. (Dropping the set-aside entry read its key after freeing it,
   // left its storage's key behind with no entry, and this save read a freed entry.)
   auto other = NewStorage(2 * kMiB, 6);
+  const auto bind_other = [&] { return other; };
   const KeeperId other_id =
-      engine_->AddKeeper(s.get(), [&] { return other; }, FloatView(2 * kMiB), compute_).value();
+      engine_->AddKeeper(s.get(), bind_other, FloatView(2 * kMiB), compute_).value();
   EXPECT_EQ(engine_->StorageOf(other_id), other) << "bound to the storage set aside before";
   engine_->RemoveKeeper(other_id);
   EXPECT_EQ(EngineStat("num_entries"), 0);
+}
+
+// Released and saved again twice: two failed entries set aside under one key, dropped out of
+// order; while any is left, a new save of the key binds the storage they keep (a second binding
+// would count the first as a holder), whatever binding the caller offers.
+TEST_F(OffloadTransitions, EntriesSetAsideUnderOneKeyKeepItsOneBinding) {
+  auto s = NewStorage(2 * kMiB, 7);
+  const auto release_and_refill = [&] {
+    engine_->MarkReleased(s.get(), "freed by the test");
+    s->drop_device_memory();
+    s->allocate_device_memory(compute_);
+  };
+  const KeeperId first = Save(s);
+  release_and_refill();
+  const KeeperId second = Save(s);  // sets `first`'s entry aside
+  release_and_refill();
+  const KeeperId third = Save(s);  // sets `second`'s aside too
+  EXPECT_EQ(EngineStat("num_entries"), 3);
+  EXPECT_EQ(engine_->DescribeKeeper(first).value().residency, Residency::kFailed);
+  EXPECT_EQ(engine_->DescribeKeeper(second).value().residency, Residency::kFailed);
+  engine_->RemoveKeeper(first);  // the older of the two set aside goes first
+  EXPECT_EQ(engine_->DescribeKeeper(second).value().residency, Residency::kFailed);
+  engine_->RemoveKeeper(third);  // no current entry now; `second`'s stays aside
+  EXPECT_EQ(EngineStat("num_entries"), 1);
+  auto stranger = NewStorage(2 * kMiB, 8);
+  const auto offer_stranger = [&] { return stranger; };
+  const KeeperId fourth =
+      engine_->AddKeeper(s.get(), offer_stranger, FloatView(2 * kMiB), compute_).value();
+  EXPECT_EQ(engine_->StorageOf(fourth), s) << "a second binding of the storage set aside";
+  s->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(s), Residency::kSpilled) << "the new save is not spilled as its own";
+  engine_->RemoveKeeper(second);
+  engine_->RemoveKeeper(fourth);
+  EXPECT_EQ(EngineStat("num_entries"), 0);
+  EXPECT_EQ(EngineStat("host_bytes.current"), 0);
 }
 
 TEST_F(OffloadTransitions, TrimHostMemoryGivesBackChunksNoSpillUses) {
