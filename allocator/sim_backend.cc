@@ -77,6 +77,12 @@ std::shared_ptr<SimBackend::Stream> SimBackend::FindStreamLocked(std::string_vie
   return it->second;
 }
 
+std::shared_ptr<SimBackend::Stream> SimBackend::FindStream(std::string_view op, int device,
+                                                           StreamHandle handle) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return FindStreamLocked(op, device, handle);
+}
+
 SimBackend::Event& SimBackend::FindEventLocked(std::string_view op, int device,
                                                EventHandle handle) const {
   CheckDeviceLocked(device);
@@ -284,11 +290,7 @@ StreamRef SimBackend::resolve_stream(int device, StreamHandle handle) {
 }
 
 void SimBackend::synchronize_stream(int device, StreamHandle handle) {
-  std::shared_ptr<Stream> stream;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stream = FindStreamLocked("synchronize_stream", device, handle);
-  }
+  const std::shared_ptr<Stream> stream = FindStream("synchronize_stream", device, handle);
   stream->Drain();
   if (std::optional<std::string> error = stream->TakeError()) {
     throw BackendError("memcpy_async", *error, /*earlier_work=*/true);

@@ -186,9 +186,12 @@ class SimBackend : public Backend {
   // not when it is enqueued: synchronize before reading them.
   int64_t num_copies() const;
   size_t bytes_copied(CopyKind kind) const;
-  // Host threads blocked until work on `stream` is done (a stream or event synchronization): a
-  // test learns that a thread it started is waiting there, without a timed guess.
+  // Host threads blocked until work on `stream` is done (a stream or event synchronization), and
+  // other streams' workers blocked on one of its events (stream_wait_event): a test learns that a
+  // thread or stream it started is waiting there, without a timed guess. A waiter counts from
+  // when it blocks until it runs again.
   int host_waiters(int device, StreamHandle stream) const;
+  int stream_waiters(int device, StreamHandle stream) const;
 
  private:
   class Stream;
@@ -218,6 +221,8 @@ class SimBackend : public Backend {
                                            StreamHandle handle) const;
   Event& FindEventLocked(std::string_view op, int device, EventHandle handle) const;
   void CheckDeviceRangeLocked(const void* ptr, size_t bytes, std::string_view what) const;
+  // FindStreamLocked under `mu_`.
+  std::shared_ptr<Stream> FindStream(std::string_view op, int device, StreamHandle handle) const;
   // Streams of `device`, or of every device when `device` is -1.
   std::vector<std::shared_ptr<Stream>> StreamsOf(int device) const;
   // Waits for all work enqueued so far on the given device(s); never reports sticky errors.

@@ -76,13 +76,12 @@ size_t SimBackend::host_bytes_in_use() const {
   return host_used_;
 }
 
-int SimBackend::host_waiters(int device, StreamHandle stream_handle) const {
-  std::shared_ptr<Stream> stream;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stream = FindStreamLocked("host_waiters", device, stream_handle);
-  }
-  return stream->Waiters(/*host_only=*/true, /*position=*/0);
+int SimBackend::host_waiters(int device, StreamHandle stream) const {
+  return FindStream("host_waiters", device, stream)->Waiters(Stream::Waiting::kHost, 0);
+}
+
+int SimBackend::stream_waiters(int device, StreamHandle stream) const {
+  return FindStream("stream_waiters", device, stream)->Waiters(Stream::Waiting::kStreams, 0);
 }
 
 size_t SimBackend::num_live_events() const {
@@ -137,7 +136,9 @@ std::unique_ptr<SimBackend::StreamHold> SimBackend::hold_stream(int device,
     // Raw: the op runs on the stream's own worker, which the stream outlives.
     waited = [held = stream.get(), host_only = release == HoldRelease::kWhenHostWaits, position] {
       const uint64_t at = position->load();
-      return at != 0 && held->Waiters(host_only, at) > 0;  // 0: not known yet
+      using Waiting = Stream::Waiting;
+      // 0: not known yet
+      return at != 0 && held->Waiters(host_only ? Waiting::kHost : Waiting::kAny, at) > 0;
     };
   }
   // Under the backend's lock, as every enqueue: nothing lands between the gate and its position.

@@ -45,12 +45,20 @@ void SimBackend::Stream::Drain() {
   BlockUntil(lock, enqueued_);
 }
 
-int SimBackend::Stream::Waiters(bool host_only, uint64_t position) {
+int SimBackend::Stream::Waiters(Waiting who, uint64_t position) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto from = [&](const std::multiset<uint64_t>& targets) {
     return static_cast<int>(std::distance(targets.lower_bound(position), targets.end()));
   };
-  return host_only ? from(host_targets_) : from(host_targets_) + from(stream_targets_);
+  switch (who) {
+    case Waiting::kHost:
+      return from(host_targets_);
+    case Waiting::kStreams:
+      return from(stream_targets_);
+    case Waiting::kAny:
+      break;
+  }
+  return from(host_targets_) + from(stream_targets_);
 }
 
 std::optional<std::string> SimBackend::Stream::TakeError() {

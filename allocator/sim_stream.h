@@ -47,10 +47,12 @@ class SimBackend::Stream {
   void WaitFor(uint64_t position);
   // Waits for everything enqueued before this call.
   void Drain();
-  // Threads blocked until this stream reaches `position` or later: the host's, and other
-  // streams' workers running a wait on one of its events (`host_only`: not those). A thread
-  // woken for an earlier position and not yet running again is not one.
-  int Waiters(bool host_only, uint64_t position);
+  // Whose waits Waiters counts: the host's, other streams' workers running a wait on one of its
+  // events, or both.
+  enum class Waiting { kHost, kStreams, kAny };
+  // Threads of `who` blocked until this stream reaches `position` or later. A thread woken for an
+  // earlier position and not yet running again is not one.
+  int Waiters(Waiting who, uint64_t position);
   // Returns and clears the sticky error, if any.
   std::optional<std::string> TakeError();
   // Runs everything still queued, then joins the worker. Idempotent.

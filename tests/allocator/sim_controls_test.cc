@@ -227,29 +227,39 @@ TEST(SimBackendTest, AHoldReleasedByWaitsOpensWhenWaitedFor) {
   sim.destroy_stream(0, waiter.handle);
 }
 
-// host_waiters counts the host threads blocked on a stream's work, and only those: a stream's
-// wait on one of its events is not one, and a thread counts no more once its wait is over.
-TEST(SimBackendTest, HostWaitersCountsTheHostThreadsBlockedOnAStream) {
+// host_waiters and stream_waiters count the threads blocked on a stream's work, each its own:
+// the host's waits, and other streams' waits on one of its events. A thread counts no more once
+// its wait is over.
+TEST(SimBackendTest, WaitersAreCountedByWhoWaits) {
   SimBackend sim;
   const StreamRef held = sim.create_stream(0);
   const StreamRef waiter = sim.create_stream(0);
   auto hold = sim.hold_stream(0, held.handle);
   const EventHandle behind = sim.create_event(0);
   sim.record_event(0, behind, held.handle);
+  const auto await_count = [&](const std::function<int()>& count) {
+    const auto deadline = std::chrono::steady_clock::now() + 20s;
+    while (count() == 0 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(1ms);
+    }
+  };
   sim.stream_wait_event(0, waiter.handle, behind);
+  await_count([&] { return sim.stream_waiters(0, held.handle); });
+  EXPECT_EQ(sim.stream_waiters(0, held.handle), 1);
   EXPECT_EQ(sim.host_waiters(0, held.handle), 0) << "a stream's wait counted as the host's";
   std::thread host([&] { sim.synchronize_event(0, behind); });
-  const auto deadline = std::chrono::steady_clock::now() + 20s;
-  while (sim.host_waiters(0, held.handle) == 0 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(1ms);
-  }
+  await_count([&] { return sim.host_waiters(0, held.handle); });
   EXPECT_EQ(sim.host_waiters(0, held.handle), 1);
+  EXPECT_EQ(sim.stream_waiters(0, held.handle), 1) << "the host's wait counted as a stream's";
   EXPECT_EQ(sim.host_waiters(0, waiter.handle), 0);
   hold->Open();
   host.join();
-  EXPECT_EQ(sim.host_waiters(0, held.handle), 0);
-  EXPECT_THROW(sim.host_waiters(1, held.handle), InvalidArgumentError);
   sim.synchronize_stream(0, waiter.handle);
+  EXPECT_EQ(sim.host_waiters(0, held.handle), 0);
+  EXPECT_EQ(sim.stream_waiters(0, held.handle), 0);
+  EXPECT_THROW(sim.host_waiters(1, held.handle), InvalidArgumentError);  // no device 1
+  int not_a_stream = 0;
+  EXPECT_THROW(sim.stream_waiters(0, &not_a_stream), BackendError);
   sim.destroy_event(0, behind);
   sim.destroy_stream(0, held.handle);
   sim.destroy_stream(0, waiter.handle);

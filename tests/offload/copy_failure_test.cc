@@ -4,6 +4,7 @@
 // path with held streams and checks that the right entries fail (their Acquire says so rather
 // than return bytes that never arrived) and no other entry does.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -64,8 +65,19 @@ TEST_F(OffloadCopyFailure, OffloadAReloadStopsWhenItsAllocationFindsItsSpillFail
                                     SimBackend::HoldRelease::kWhenHostWaits);
   WithNextCopyFailing([&] { engine_->ForwardEnd(); });  // a's copy to the host
   ASSERT_EQ(StateOf(a), Residency::kSpilling);
+  // Should nothing wait on the host (a regression), the test fails rather than hangs.
+  std::atomic<bool> done{false};
+  std::thread watchdog([&] {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!done && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    hold->Open();
+  });
   ExpectLostAt([&] { engine_->Acquire(ida, compute_); }, /*times=*/1);
-  EXPECT_TRUE(hold->opened_by_wait());
+  EXPECT_TRUE(hold->opened_by_wait()) << "the allocator did not wait for the block";
+  done = true;
+  watchdog.join();
   EXPECT_EQ(StateOf(a), Residency::kFailed);
   EXPECT_EQ(a->data(), nullptr) << "the block taken for the reload was kept";
   ExpectLost(ida);

@@ -33,14 +33,15 @@ using OffloadHeardLate = WithSimBackend<OffloadHeardFailure, LaggingQueriesSimBa
 
 // A simulated device on which the first failure a query reports, once armed, stalls the thread
 // that took it (before that thread can note it) until released; `looks` counts the other
-// threads' looks at events meanwhile.
+// threads' looks at events made meanwhile that found nothing.
 class StallingSimBackend : public SimBackend {
  public:
   using SimBackend::SimBackend;
   bool query_event(int device, EventHandle event) override {
     try {
-      CountLook();
-      return SimBackend::query_event(device, event);
+      const bool done = SimBackend::query_event(device, event);
+      CountLook();  // once made: the look found nothing
+      return done;
     } catch (const BackendError&) {
       if (armed.exchange(false)) {
         taken = true;
@@ -50,8 +51,8 @@ class StallingSimBackend : public SimBackend {
     }
   }
   void synchronize_event(int device, EventHandle event) override {
-    CountLook();
     SimBackend::synchronize_event(device, event);
+    CountLook();
   }
   std::atomic<bool> armed{false}, taken{false}, released{false};
   std::atomic<int> looks{0};
