@@ -258,7 +258,8 @@ TEST_F(OffloadHeardFailure, OffloadAFailureAnotherThreadIsPassingOnFailsTheReloa
   engine_->ForwardEnd();
   engine_->Synchronize();
   ASSERT_EQ(StateOf(x), Residency::kSpilled);
-  auto h2d_hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
+  const StreamRef h2d = engine_->h2d_stream_for_testing(0);  // takes the engine's lock: not later
+  auto h2d_hold = backend_->hold_stream(0, h2d.handle);
   // a's spill copy waits behind this one: nobody can hear of its failure before the allocation
   // made for that below.
   auto compute_hold = backend_->hold_stream(0, compute_.handle);
@@ -275,7 +276,7 @@ TEST_F(OffloadHeardFailure, OffloadAFailureAnotherThreadIsPassingOnFailsTheReloa
 
   // The engine waits for x's copy under its lock, then looks at a's spill.
   std::thread engine_thread([&] { engine_->Synchronize(); });
-  EXPECT_TRUE(AwaitHostWaiter(engine_->h2d_stream_for_testing(0))) << "the engine never waited";
+  EXPECT_TRUE(AwaitHostWaiter(h2d)) << "the engine never waited";
   compute_hold->Open();  // a's spill copy runs, and fails
   // This allocation waits for a's old block, hears of the failure, gets the block and then waits
   // for the engine's lock to pass the failure on; the hold opens meanwhile. (Should the threads
