@@ -17,6 +17,7 @@
 #include "allocator/errors.h"
 #include "allocator/sim_backend.h"
 #include "tests/allocator/test_util.h"
+#include "tests/poll_until.h"
 
 namespace spillway::testing {
 namespace {
@@ -237,18 +238,12 @@ TEST(SimBackendTest, WaitersAreCountedByWhoWaits) {
   auto hold = sim.hold_stream(0, held.handle);
   const EventHandle behind = sim.create_event(0);
   sim.record_event(0, behind, held.handle);
-  const auto await_count = [&](const std::function<int()>& count) {
-    const auto deadline = std::chrono::steady_clock::now() + 20s;
-    while (count() == 0 && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(1ms);
-    }
-  };
   sim.stream_wait_event(0, waiter.handle, behind);
-  await_count([&] { return sim.stream_waiters(0, held.handle); });
+  PollUntil([&] { return sim.stream_waiters(0, held.handle) != 0; });
   EXPECT_EQ(sim.stream_waiters(0, held.handle), 1);
   EXPECT_EQ(sim.host_waiters(0, held.handle), 0) << "a stream's wait counted as the host's";
   std::thread host([&] { sim.synchronize_event(0, behind); });
-  await_count([&] { return sim.host_waiters(0, held.handle); });
+  PollUntil([&] { return sim.host_waiters(0, held.handle) != 0; });
   EXPECT_EQ(sim.host_waiters(0, held.handle), 1);
   EXPECT_EQ(sim.stream_waiters(0, held.handle), 1) << "the host's wait counted as a stream's";
   EXPECT_EQ(sim.host_waiters(0, waiter.handle), 0);

@@ -1,13 +1,13 @@
 // Stream-ordered reuse: blocks are reused only on their allocation stream, and a block used on
 // other streams (record_stream) is reused only after those streams' work up to the free is done.
 #include <atomic>
-#include <chrono>
 #include <future>
 #include <mutex>
 #include <new>
 #include <thread>
 
 #include "tests/allocator/sim_fixture.h"
+#include "tests/poll_until.h"
 
 namespace spillway::testing {
 namespace {
@@ -145,10 +145,10 @@ TEST_F(StreamReuseTest, FailedWorkOnAUseStreamReachesTheObserverNotTheCaller) {
   allocator_->SetStreamErrorObserver([&](const StreamError& e) { seen.push_back(e); });
   FreeAfterAFailingCopyOnOther();
   // Poll as Malloc does until the failing copy has run and its error was found (bounded).
-  for (int i = 0; i < 2000 && seen.empty(); ++i) {
+  PollUntil([&] {
     EXPECT_NO_THROW(allocator_->ProcessEvents(0));
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+    return !seen.empty();
+  });
   ASSERT_EQ(seen.size(), 1u);
   EXPECT_EQ(seen[0].stream, other_.id);
   EXPECT_NE(seen[0].message.find("injected copy failure"), std::string::npos);
@@ -164,10 +164,10 @@ TEST_F(StreamReuseTest, AnObserverThatThrowsLosesNeitherTheAllocationNorTheError
     throw std::bad_alloc();
   });
   FreeAfterAFailingCopyOnOther();
-  for (int i = 0; i < 2000 && thrown == 0; ++i) {
-    ASSERT_NO_THROW(allocator_->ProcessEvents(0));
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  PollUntil([&] {
+    EXPECT_NO_THROW(allocator_->ProcessEvents(0));
+    return thrown != 0;
+  });
   ASSERT_EQ(thrown, 1) << "the failing copy's error was never found";
   void* p = nullptr;
   ASSERT_NO_THROW(p = allocator_->Malloc(kMiB, 0, stream_));
@@ -215,14 +215,12 @@ TEST_F(StreamReuseTest, AnErrorBeingDeliveredReachesWhoeverAsksMeanwhile) {
   });
   FreeAfterAFailingCopyOnOther();
   std::thread first([&] {
-    for (int i = 0; i < 2000 && calls.load() == 0; ++i) {
+    PollUntil([&] {
       allocator_->ProcessEvents(0);
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+      return calls.load() != 0;
+    });
   });
-  for (int i = 0; i < 4000 && calls.load() == 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  PollUntil([&] { return calls.load() != 0; });
   const bool found = calls.load() == 1;
   if (found) allocator_->DeliverStreamErrors(0);  // while the first delivery is still under way
   second_told.set_value();

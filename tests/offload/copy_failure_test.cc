@@ -68,10 +68,7 @@ TEST_F(OffloadCopyFailure, OffloadAReloadStopsWhenItsAllocationFindsItsSpillFail
   // Should nothing wait on the host (a regression), the test fails rather than hangs.
   std::atomic<bool> done{false};
   std::thread watchdog([&] {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (!done && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    PollUntil([&] { return done.load(); });
     hold->Open();
   });
   ExpectLostAt([&] { engine_->Acquire(ida, compute_); }, /*times=*/1);
@@ -257,9 +254,7 @@ TEST_F(OffloadCopyFailure, OffloadAReloadFailedWithAnotherKeepsItsCopyOrdered) {
   side_hold->Open();
   // Unordered, the write lands at once, before a's copy: give it that chance. Ordered after the
   // copy it cannot run yet, and the wait just runs out.
-  for (int i = 0; i < 100 && !backend_->query_event(0, written); ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
+  PollUntil([&] { return backend_->query_event(0, written); }, std::chrono::milliseconds(100));
   a_copy_hold->Open();
   engine_->Synchronize();
   EXPECT_EQ(ReadOn(side, next, 2 * kMiB), fill)

@@ -17,6 +17,7 @@
 #include "allocator/sim_backend.h"
 #include "offload/allocator_storage.h"
 #include "offload/engine.h"
+#include "tests/poll_until.h"
 #include "tests/sanitizers.h"
 
 namespace spillway::testing {
@@ -112,15 +113,10 @@ class OffloadEngineTest : public ::testing::Test {
   Residency StateOf(const std::shared_ptr<TestStorage>& s) {
     return engine_->Describe(s.get()).value().residency;
   }
-  // Waits (up to 20 s, so that a test gone wrong fails rather than hangs) until a host thread is
-  // blocked on `stream`'s work: the thread a test started has reached its wait there.
+  // Waits (for up to kPollLimit) until a host thread is blocked on `stream`'s work: the thread a
+  // test started has reached its wait there.
   bool AwaitHostWaiter(StreamRef stream) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (backend_->host_waiters(0, stream.handle) == 0) {
-      if (std::chrono::steady_clock::now() > deadline) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    return true;
+    return PollUntil([&] { return backend_->host_waiters(0, stream.handle) != 0; });
   }
   int64_t EngineStat(const std::string& name) { return engine_->stats().Flatten().at(name); }
   int64_t AllocStat(const std::string& name) { return allocator_->FlatStats(0).at(name); }

@@ -7,7 +7,6 @@
 #include <chrono>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "allocator/errors.h"
@@ -44,9 +43,7 @@ class OffloadFaultInjection : public OffloadEngineTest {
     // Correctly ordered after the copy it cannot run yet, and the wait just runs out.
     EventHandle written = backend_->create_event(0);
     backend_->record_event(0, written, compute_.handle);
-    for (int i = 0; i < 100 && !backend_->query_event(0, written); ++i) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
+    PollUntil([&] { return backend_->query_event(0, written); }, std::chrono::milliseconds(100));
     hold.Open();
     engine_->Synchronize();
     std::vector<uint8_t> out = ReadOn(compute_, next, nbytes);

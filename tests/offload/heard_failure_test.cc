@@ -45,7 +45,7 @@ class StallingSimBackend : public SimBackend {
     } catch (const BackendError&) {
       if (armed.exchange(false)) {
         taken = true;
-        while (!released) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        EXPECT_TRUE(PollUntil([&] { return released.load(); })) << "the test never released";
       }
       throw;
     }
@@ -87,14 +87,9 @@ class SignallingSimBackend : public SimBackend {
     }
     SimBackend::stream_wait_event(device, stream, event);
   }
-  // Waits (up to 20 s, so that a test that goes wrong fails rather than hangs) for `flag`.
+  // Waits (for up to kPollLimit) for `flag`.
   static bool Await(const std::atomic<bool>& flag) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (!flag.load()) {
-      if (std::chrono::steady_clock::now() > deadline) return false;
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    return true;
+    return PollUntil([&] { return flag.load(); });
   }
   std::atomic<bool> heard{false}, paused{false};
   std::atomic<StreamHandle> pause_waits_on{nullptr};
@@ -155,15 +150,16 @@ TEST_F(OffloadHeardMidway, OffloadAFailureAnotherThreadIsStillFindingFailsTheSpi
   SpillByACopyNobodyHearsFail(*a);  // a's old block waits in the allocator on the failed copy
   sim_->armed = true;
   std::thread finder([&] { allocator_->ProcessEvents(0); });  // polls that block's event
-  while (!sim_->taken) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  if (!PollUntil([&] { return sim_->taken.load(); })) {
+    sim_->released = true;  // lets the finder go, should it take the failure late
+    finder.join();
+    FAIL() << "no query took the failure";
+  }
   // Released once the engine has looked at a's copy, and found nothing: the failure is the
   // finder's, still to be noted.
   std::thread releaser([&] {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-    while (sim_->looks == 0 && std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    }
-    EXPECT_GT(sim_->looks, 0) << "the engine never looked at a's copy";
+    EXPECT_TRUE(PollUntil([&] { return sim_->looks.load() > 0; }))
+        << "the engine never looked at a's copy";
     sim_->released = true;
   });
   engine_->Synchronize();  // looks at a's copy: finds nothing; the failure is the finder's
