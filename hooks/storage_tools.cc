@@ -2,6 +2,7 @@
 
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <string>
 
 #include "allocator/errors.h"
@@ -63,7 +64,11 @@ py::dict SavedViewDict(const ViewInfo& view) {
 
 py::list SavedViewDicts(const EntryInfo& entry) {
   py::list out;
-  for (const KeeperInfo& k : entry.keepers) out.append(SavedViewDict(k.view));
+  for (const KeeperInfo& k : entry.keepers) {
+    py::dict d = SavedViewDict(k.view);
+    if (k.lost) d["lost"] = true;  // its backward raises: the bytes it saved are gone
+    out.append(d);
+  }
   return out;
 }
 
@@ -110,9 +115,13 @@ py::list Keepers(const at::Tensor& tensor) {
 py::dict Release(const at::Tensor& tensor, bool force) {
   CheckTensor(tensor, "spillway.release");
   const std::optional<EntryInfo> entry = EntryOf(tensor);
-  if (entry && !entry->keepers.empty() && !force) {
+  // Saves whose bytes are lost already (an earlier forced release) have nothing to lose.
+  const auto needed = entry ? std::count_if(entry->keepers.begin(), entry->keepers.end(),
+                                            [](const KeeperInfo& k) { return !k.lost; })
+                            : 0;
+  if (needed > 0 && !force) {
     throw InvalidArgumentError(
-        "spillway.release: " + std::to_string(entry->keepers.size()) +
+        "spillway.release: " + std::to_string(needed) +
         " tensor(s) saved for backward still keep this storage; releasing it would corrupt the "
         "backward pass. Pass force=True if they will never be read.");
   }

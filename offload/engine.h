@@ -65,6 +65,9 @@ using KeeperId = uint64_t;
 struct KeeperInfo {
   KeeperId id = 0;
   ViewInfo view;
+  // Its entry's bytes are lost (kFailed: released by force, or a copy failed): its Acquire
+  // throws. It still keeps the storage.
+  bool lost = false;
 };
 
 struct EntryInfo {
@@ -153,10 +156,14 @@ class OffloadEngine {
   void SetConfig(const OffloadConfig& config);
   OffloadConfig config() const;
 
+  // The storage `key`: its entry, with the keepers of the failed entries a new save set aside
+  // (lost, and still keeping the storage) among its keepers. Without an entry of its own, the
+  // newest of those, with all their keepers. Null when nothing keeps it.
   std::optional<EntryInfo> Describe(const void* key) const;
+  // The entry of keeper `id` alone (one set aside included); null when `id` is not registered.
   std::optional<EntryInfo> DescribeKeeper(KeeperId id) const;
-  // Keys of every live entry, oldest save first; one per storage (a failed entry that a new save
-  // of its storage set aside is not listed: DescribeKeeper finds it).
+  // The key of every storage Describe finds, once, oldest save first (a storage kept only by
+  // entries set aside at the place of the newest).
   std::vector<const void*> EntryKeys() const;
   void CountSkip(std::string_view reason);
   // The latest spills, reloads and drops of spilled entries (a bounded ring), oldest first.

@@ -13,9 +13,23 @@ namespace spillway {
 
 std::optional<EntryInfo> OffloadEngine::Describe(const void* key) const {
   EngineLock lock(mutex_);
-  auto it = entries_.find(key);
-  if (it == entries_.end()) return std::nullopt;
-  return DescribeEntry(*it->second);
+  const auto current = entries_.find(key);
+  const auto set_aside = detached_.find(key);
+  if (set_aside == detached_.end()) {
+    if (current == entries_.end()) return std::nullopt;
+    return DescribeEntry(*current->second);
+  }
+  // Who keeps the storage is every keeper of it: saves whose bytes are lost hold it as well.
+  const std::vector<std::unique_ptr<Entry>>& aside = set_aside->second;
+  const Entry& described = current != entries_.end() ? *current->second : *aside.back();
+  EntryInfo info = DescribeEntry(described);
+  for (const std::unique_ptr<Entry>& e : aside) {
+    if (e.get() == &described) continue;
+    for (const auto& [id, view] : e->keepers) info.keepers.push_back(KeeperInfo{id, view, true});
+  }
+  std::sort(info.keepers.begin(), info.keepers.end(),
+            [](const KeeperInfo& a, const KeeperInfo& b) { return a.id < b.id; });
+  return info;
 }
 
 EntryInfo OffloadEngine::DescribeEntry(const Entry& e) {
@@ -27,7 +41,8 @@ EntryInfo OffloadEngine::DescribeEntry(const Entry& e) {
   info.residency = e.state;
   info.prefetched = e.prefetched;
   info.external_holders = e.storage->external_holders();
-  for (const auto& [id, view] : e.keepers) info.keepers.push_back(KeeperInfo{id, view});
+  const bool lost = e.state == Residency::kFailed;
+  for (const auto& [id, view] : e.keepers) info.keepers.push_back(KeeperInfo{id, view, lost});
   std::sort(info.keepers.begin(), info.keepers.end(),
             [](const KeeperInfo& a, const KeeperInfo& b) { return a.id < b.id; });
   info.spill_count = e.spill_count;
@@ -49,9 +64,12 @@ std::vector<const void*> OffloadEngine::EntryKeys() const {
   std::vector<const void*> keys;
   keys.reserve(by_seq_.size());
   for (const auto& [seq, entry] : by_seq_) {
-    // A detached entry's key names its storage's current entry, listed in its own place.
+    // A set-aside entry's key names its storage's current entry, listed in its own place; with
+    // none, the newest entry set aside stands for the storage.
     const auto current = entries_.find(entry->key);
-    if (current != entries_.end() && current->second.get() == entry) keys.push_back(entry->key);
+    const bool listed = current != entries_.end() ? current->second.get() == entry
+                                                  : detached_.at(entry->key).back().get() == entry;
+    if (listed) keys.push_back(entry->key);
   }
   return keys;
 }

@@ -361,7 +361,8 @@ def keepers(tensor):
     """Who keeps the tensor's storage: saved views ({'kind': 'saved', 'shape', 'stride',
     'offset'}), those Spillway tracks and those it keeps as they are (subclasses, nested or
     quantized tensors, a second storage over the memory), and holders Spillway does not know
-    ({'kind': 'external', 'count': n}; n includes `tensor` itself)."""
+    ({'kind': 'external', 'count': n}; n includes `tensor` itself). A saved view whose bytes are
+    lost (released by force, or a failed copy: its backward raises) has 'lost': True."""
     _check_tensor("keepers", tensor)
     _require_installed("keepers")
     return _C.keepers(tensor)

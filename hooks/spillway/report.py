@@ -89,6 +89,7 @@ def series(snapshot, device=0):
 def _keepers_text(keepers, external):
     parts = [f"saved {tuple(k['shape'])} stride {tuple(k['stride'])} offset {k['offset']}"
              + (" (a nested tensor's buffer)" if k.get("nested") else "")
+             + (" (lost: its backward raises)" if k.get("lost") else "")
              for k in keepers]
     if external:
         parts.append(f"{external} other holder(s)")

@@ -1,7 +1,10 @@
 // The residency state machine, one test per transition, and the keeper rules.
+#include <gmock/gmock.h>
+
 #include <map>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "tests/offload/engine_fixture.h"
@@ -9,10 +12,23 @@
 namespace spillway::testing {
 namespace {
 
+using ::testing::ElementsAre;
+using ::testing::Pair;
+
 class OffloadTransitions : public OffloadEngineTest {
  protected:
   void SetUp() override {
     Make(Policy(OffloadPolicy::kEager), size_t{256} << 20, std::chrono::microseconds{0});
+  }
+
+  // Who Describe says keeps the storage `key`: each keeper's id, and whether its bytes are lost.
+  std::vector<std::pair<KeeperId, bool>> KeepersOf(const void* key) {
+    std::vector<std::pair<KeeperId, bool>> out;
+    const std::optional<EntryInfo> info = engine_->Describe(key);
+    if (info) {
+      for (const KeeperInfo& k : info->keepers) out.emplace_back(k.id, k.lost);
+    }
+    return out;
   }
 };
 
@@ -122,8 +138,9 @@ TEST_F(OffloadTransitions, ANewSaveOfAReleasedStorageGivenMemoryAgainIsItsOwn) {
   const KeeperId new_id = Save(s);
   EXPECT_EQ(StateOf(s), Residency::kResident);
   EXPECT_EQ(engine_->DescribeKeeper(old_id).value().residency, Residency::kFailed);
-  EXPECT_EQ(engine_->Describe(s.get()).value().keepers.size(), 1U);
-  EXPECT_EQ(engine_->EntryKeys().size(), 1U);
+  // Both saves keep the storage: the old one, lost, among its keepers too.
+  EXPECT_THAT(KeepersOf(s.get()), ElementsAre(Pair(old_id, true), Pair(new_id, false)));
+  EXPECT_EQ(engine_->EntryKeys(), std::vector<const void*>{s.get()});
   EXPECT_EQ(EngineStat("num_entries"), 2);
   s->holders = 0;
   engine_->ForwardEnd();  // eager: the new save spills, and comes back intact
@@ -139,7 +156,7 @@ TEST_F(OffloadTransitions, ANewSaveOfAReleasedStorageGivenMemoryAgainIsItsOwn) {
   engine_->RemoveKeeper(old_id);
   EXPECT_EQ(EngineStat("num_entries"), 1);
   ASSERT_TRUE(engine_->Describe(s.get()).has_value()) << "the old save's drop took the new entry";
-  EXPECT_EQ(engine_->Describe(s.get()).value().keepers.size(), 1U);
+  EXPECT_THAT(KeepersOf(s.get()), ElementsAre(Pair(new_id, false)));
   engine_->RemoveKeeper(new_id);
   EXPECT_EQ(EngineStat("num_entries"), 0);
   EXPECT_FALSE(engine_->Describe(s.get()).has_value());
@@ -177,11 +194,18 @@ TEST_F(OffloadTransitions, EntriesSetAsideUnderOneKeyKeepItsOneBinding) {
   EXPECT_EQ(engine_->DescribeKeeper(second).value().residency, Residency::kFailed);
   engine_->RemoveKeeper(third);  // no current entry now; `second`'s stays aside
   EXPECT_EQ(EngineStat("num_entries"), 1);
+  // It alone keeps the storage now: asked who keeps it, the engine says so.
+  ASSERT_TRUE(engine_->Describe(s.get()).has_value()) << "a storage kept by a lost save is unseen";
+  EXPECT_EQ(engine_->Describe(s.get())->residency, Residency::kFailed);
+  EXPECT_THAT(KeepersOf(s.get()), ElementsAre(Pair(second, true)));
+  EXPECT_EQ(engine_->EntryKeys(), std::vector<const void*>{s.get()});
   auto stranger = NewStorage(2 * kMiB, 8);
   const auto offer_stranger = [&] { return stranger; };
   const KeeperId fourth =
       engine_->AddKeeper(s.get(), offer_stranger, FloatView(2 * kMiB), compute_).value();
   EXPECT_EQ(engine_->StorageOf(fourth), s) << "a second binding of the storage set aside";
+  EXPECT_THAT(KeepersOf(s.get()), ElementsAre(Pair(second, true), Pair(fourth, false)));
+  EXPECT_EQ(engine_->Describe(s.get())->residency, Residency::kResident);
   s->holders = 0;
   engine_->ForwardEnd();
   engine_->Synchronize();

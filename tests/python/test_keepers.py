@@ -197,6 +197,40 @@ def test_a_released_storage_resized_and_saved_again_backs_the_new_save():
         old.backward()
 
 
+SAVED_256 = {"kind": "saved", "shape": (256, 256), "stride": (256, 1), "offset": 0}
+
+
+def test_saves_a_forced_release_lost_are_keepers_that_release_need_not_spare():
+    """A storage released by force, given memory again, and saved by a new graph: keepers(),
+    residency() and the snapshot name the old graph's save too, lost; release() refuses for the
+    new save, and not for the lost one alone."""
+    a = torch.randn(256, 256, requires_grad=True)
+    h = torch.randn(256, 256)
+    with spillway.offload("off", min_bytes=0):
+        old = (h * a).sum()
+    spillway.release(h, force=True)
+    assert spillway.keepers(h) == [SAVED_256 | {"lost": True}, {"kind": "external", "count": 1}]
+    h.resize_(0).resize_(256, 256).copy_(torch.randn(256, 256))
+    b = torch.randn(256, 256, requires_grad=True)
+    with spillway.offload("off", min_bytes=0):
+        new = (h * b).sum()
+    assert spillway.keepers(h) == [SAVED_256 | {"lost": True}, SAVED_256,
+                                   {"kind": "external", "count": 1}]
+    assert spillway.residency(h) == "resident"  # the new save's
+    block = spillway.snapshot()["spillway"]["blocks"][h.data_ptr()]
+    assert block["keepers"] == [SAVED_256 | {"lost": True}, SAVED_256]
+    with pytest.raises(ValueError, match="1 tensor"):
+        spillway.release(h)  # the new save needs it
+    del new
+    assert spillway.residency(h) == "failed"
+    entries = [e for e in spillway.snapshot()["spillway"]["entries"]
+               if e["address"] == h.data_ptr()]
+    assert [e["keepers"] for e in entries] == [[SAVED_256 | {"lost": True}]]
+    assert spillway.release(h)["freed_bytes"] == 256 * 256 * 4  # nothing left to corrupt
+    with pytest.raises(RuntimeError, match=r"release\(force=True\)|modified by an inplace"):
+        old.backward()
+
+
 def test_a_released_storage_saved_again_after_its_new_saves_went_still_spills():
     """The released storage's new entry goes with its saves while the old graph keeps the failed
     one; a third save must not count the old entry's hold on the storage as the program's (it
@@ -212,6 +246,9 @@ def test_a_released_storage_saved_again_after_its_new_saves_went_still_spills():
         new = (h * b).sum()
     del new  # its saves go: the storage has no entry now but the failed one
     expected = torch.autograd.grad((h * b).sum(), b)[0]
+    # The old graph's save still keeps the storage, its bytes lost; h is the one other holder.
+    # (Unseen, it counted as a second external holder.)
+    assert spillway.keepers(h) == [SAVED_256 | {"lost": True}, {"kind": "external", "count": 1}]
     spills = stat("spillway.num_spills")
     with spillway.offload("eager", min_bytes=0):
         third = (h * b).sum()

@@ -117,12 +117,14 @@ def test_a_release_line_names_the_other_holders_once():
     snap = {"segments": [], "device_traces": [], "spillway": {"releases": [
         {"freed_bytes": 1 << 20, "other_holders": 2,
          "keepers": [{"kind": "saved", "shape": (4,), "stride": (1,), "offset": 0},
+                     {"kind": "saved", "shape": (8,), "stride": (1,), "offset": 0, "lost": True},
                      {"kind": "external", "count": 3}]},
         {"freed_bytes": 2 << 20, "other_holders": 1,
          "keepers": [{"kind": "external", "count": 2}]}]}}
     lines = report.summary(snap).split("Storages released while other tensors still held them:")[1]
     lines = [line for line in lines.splitlines() if line.strip()]
-    assert lines[0] == "  1.00 MiB freed; 2 other holder(s); saved (4,) stride (1,) offset 0"
+    assert lines[0] == ("  1.00 MiB freed; 2 other holder(s); saved (4,) stride (1,) offset 0; "
+                        "saved (8,) stride (1,) offset 0 (lost: its backward raises)")
     assert lines[1] == "  2.00 MiB freed; 1 other holder(s)"
 
 
