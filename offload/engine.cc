@@ -131,7 +131,7 @@ void OffloadEngine::Drop(Entry& e) {
   by_seq_.erase(e.seq);
   spill_candidates_.erase(e.seq);
   WindowRemove(e);
-  offloaded_.erase(e.seq);
+  UnlistOffloaded(e);
   --stats_.num_entries;
   // Taken out of its map, which is left whole before `e` is destroyed (at the end of this scope,
   // releasing the engine's hold on the storage): the storage's last release can run code that
@@ -335,7 +335,7 @@ OffloadEngine::SpillResult OffloadEngine::Spill(Entry& e) {
   e.host = *host;
   e.state = Residency::kSpilling;
   e.errors_found_before_copy = errors_found_before;
-  offloaded_[e.seq] = &e;
+  ListOffloaded(e);
   e.acquired = false;
   ++e.spill_count;
   e.last_spill_us = NowMicros();

@@ -349,9 +349,14 @@ class OffloadEngine {
   void WindowRemove(const Entry& e);
   // Takes in older entries while they fit (after the window lost bytes, or from nothing).
   void WindowExtend(Window& w) const;
-  // Entries whose bytes went to the host (spilling or spilled): what prefetch can bring back.
-  // Pruned lazily too.
+  // Entries whose bytes went to the host (spilling or spilled): what prefetch can bring back,
+  // listed at each of their live saves (Entry::saves), since a backward reads a storage at the
+  // save its graph made. Pruned lazily too; a save's listing goes with its last keeper.
   absl::btree_map<uint64_t, Entry*> offloaded_;
+  // Lists `e` in offloaded_ at each of its live saves; Unlist takes every listing of it out.
+  void ListOffloaded(Entry& e);
+  void UnlistOffloaded(const Entry& e);
+  void UnlistOffloadedAt(const Entry& e, uint64_t seq);
   uint64_t next_seq_ = 1;
   KeeperId next_keeper_ = 1;
   bool in_policy_ = false;  // the policy's own allocations must not re-enter it

@@ -55,6 +55,10 @@ struct OffloadEngine::Entry {
   int device = 0;
   StreamRef producer;
   uint64_t seq = 0;
+  // The seq of each save with keepers still registered, and how many: where a backward may read
+  // the storage (a storage saved by two graphs alive at once is read at both saves), so where
+  // offloaded_ lists it for prefetch.
+  absl::flat_hash_map<uint64_t, int> saves;
   Residency state = Residency::kResident;
   absl::flat_hash_map<KeeperId, ViewInfo> keepers;
   void* host = nullptr;  // pinned copy: spilling, spilled, reloading, or prefetched and unused

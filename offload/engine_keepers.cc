@@ -36,6 +36,9 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   const KeeperId id = next_keeper_++;
   e.keepers.emplace(id, std::move(view));
   keepers_[id] = Keeper{&e, e.seq};
+  ++e.saves[e.seq];
+  // (A save of a storage whose bytes are on the host: a backward may read it here too.)
+  if (e.state == Residency::kSpilling || e.state == Residency::kSpilled) ListOffloaded(e);
   try {
     RunPolicy();
   } catch (...) {
@@ -105,11 +108,10 @@ void OffloadEngine::Resequence(Entry& e) {
   if (sized) WindowRemove(e);
   by_seq_.erase(e.seq);
   const bool candidate = spill_candidates_.erase(e.seq) != 0;
-  const bool offloaded = offloaded_.erase(e.seq) != 0;
+  // offloaded_ keeps its listings: they are where the earlier saves' keepers read it.
   e.seq = next_seq_++;
   by_seq_[e.seq] = &e;
   if (candidate) spill_candidates_[e.seq] = &e;
-  if (offloaded) offloaded_[e.seq] = &e;
   if (sized) WindowAdd(e);
 }
 
@@ -130,10 +132,34 @@ std::shared_ptr<Storage> OffloadEngine::StorageOf(KeeperId id) const {
 
 void OffloadEngine::RemoveKeeper(KeeperId id) {
   EngineLock lock(mutex_);
-  Entry& e = EntryOf(id);
+  const Keeper keeper = KeeperOf(id);
+  Entry& e = *keeper.entry;
   keepers_.erase(id);
   e.keepers.erase(id);
+  // A save whose keepers are all gone is read by nobody: prefetch must not bring the storage back
+  // for it.
+  if (const auto save = e.saves.find(keeper.save_seq); --save->second == 0) {
+    e.saves.erase(save);
+    UnlistOffloadedAt(e, keeper.save_seq);
+  }
   if (e.keepers.empty()) Drop(e);
+}
+
+void OffloadEngine::ListOffloaded(Entry& e) {
+  for (const auto& [seq, keepers] : e.saves) offloaded_[seq] = &e;
+}
+
+void OffloadEngine::UnlistOffloadedAt(const Entry& e, uint64_t seq) {
+  // Seqs are never reused, so a listing there is `e`'s; checked all the same, as a dangling
+  // listing would be read after `e` is freed.
+  if (const auto it = offloaded_.find(seq); it != offloaded_.end() && it->second == &e) {
+    offloaded_.erase(it);
+  }
+}
+
+void OffloadEngine::UnlistOffloaded(const Entry& e) {
+  for (const auto& [seq, keepers] : e.saves) UnlistOffloadedAt(e, seq);
+  UnlistOffloadedAt(e, e.seq);
 }
 
 }  // namespace spillway

@@ -213,7 +213,7 @@ size_t OffloadEngine::GiveBackPrefetches(int device, size_t target_allocated) {
     e.storage->drop_device_memory();
     e.state = Residency::kSpilled;
     EndPrefetch(e);
-    offloaded_[e.seq] = &e;
+    ListOffloaded(e);
     CountSpilled(e, true);
     Note(OffloadEvent::Kind::kPrefetchGivenBack, e);
     released += info ? info->size : e.nbytes;

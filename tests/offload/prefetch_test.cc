@@ -146,6 +146,79 @@ TEST_F(OffloadPrefetchTest, OffloadAnOlderKeeperPrefetchesFromItsOwnSave) {
   for (const KeeperId id : {first, again, between_id, before_id}) engine_->RemoveKeeper(id);
 }
 
+// A storage saved by two graphs alive at once (a tensor two losses read, say, each with its own
+// backward): the older graph's backward reads it at its own save, and prefetch brings it back
+// from there (it was listed at the newer save alone, and the older backward stalled on it).
+TEST_F(OffloadPrefetchTest, OffloadAStorageTwoLiveGraphsSavedIsPrefetchedForEach) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 4 * kMiB;
+  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  const auto save_spillable = [&](uint32_t seed, std::shared_ptr<TestStorage>* out) {
+    *out = NewStorage(2 * kMiB, seed);
+    const KeeperId id = Save(*out);
+    (*out)->holders = 0;
+    return id;
+  };
+  std::shared_ptr<TestStorage> a0, a1, b1;
+  auto shared = NewStorage(2 * kMiB, 300);
+  // Graph A: a0, shared, a1. Graph B: shared again, b1.
+  const KeeperId a0_id = save_spillable(301, &a0);
+  const KeeperId shared_a = Save(shared);
+  const KeeperId a1_id = save_spillable(302, &a1);
+  const KeeperId shared_b = Save(shared);
+  const KeeperId b1_id = save_spillable(303, &b1);
+  shared->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  for (const auto& s : {a0, shared, a1, b1}) ASSERT_EQ(StateOf(s), Residency::kSpilled);
+  // A's backward first: its first read stalls and brings back the two saves before it in A.
+  void* ptr = engine_->Acquire(a1_id, compute_);
+  EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, 302));
+  EXPECT_NE(StateOf(shared), Residency::kSpilled) << "not prefetched for the older graph's save";
+  EXPECT_NE(StateOf(a0), Residency::kSpilled);
+  engine_->RemoveKeeper(a1_id);
+  engine_->Synchronize();
+  ptr = engine_->Acquire(shared_a, compute_);
+  EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, 300));
+  engine_->RemoveKeeper(shared_a);
+  ptr = engine_->Acquire(a0_id, compute_);
+  EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, 301));
+  engine_->RemoveKeeper(a0_id);
+  EXPECT_EQ(EngineStat("num_stalls"), 1);
+  // B's backward: shared stayed on the device for it (acquired: never spilled again by a policy).
+  ptr = engine_->Acquire(b1_id, compute_);
+  EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, 303));
+  ptr = engine_->Acquire(shared_b, compute_);
+  EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, 300));
+  for (const KeeperId id : {b1_id, shared_b}) engine_->RemoveKeeper(id);
+  EXPECT_EQ(EngineStat("host_bytes.current"), 0);
+}
+
+// A save whose keepers are gone is read by nobody: prefetch does not bring its storage back
+// there (the storage waits, spilled, for the save still kept).
+TEST_F(OffloadPrefetchTest, OffloadASaveWhoseKeepersWentIsNoReasonToPrefetch) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.prefetch_bytes = 4 * kMiB;
+  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  auto late = NewStorage(2 * kMiB, 310);
+  const KeeperId late_first = Save(late);
+  auto between = NewStorage(2 * kMiB, 311);
+  const KeeperId between_id = Save(between);
+  const KeeperId late_again = Save(late);
+  late->holders = 0;
+  between->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(late), Residency::kSpilled);
+  engine_->RemoveKeeper(late_first);  // its graph went without reading it
+  // Prefetch from `between` walks the saves older than it: the gone one is the only save there.
+  engine_->Acquire(between_id, compute_);
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(late), Residency::kSpilled) << "brought back for a save nobody keeps";
+  EXPECT_EQ(EngineStat("num_reloads"), 1);
+  for (const KeeperId id : {late_again, between_id}) engine_->RemoveKeeper(id);
+}
+
 // Two views of one storage acquired while its reload runs: one reload, one stall, timed from the
 // first acquire (the second counted another stall and restarted the clock).
 TEST_F(OffloadPrefetchTest, OffloadTwoViewsAcquiredDuringOneReloadAreOneStall) {
