@@ -161,6 +161,8 @@ void OffloadEngine::MarkReleased(const void* key, const std::string& why) {
   DiscardCopies(e);
   // Never reloaded now: its bytes must not hold the prefetch window against older entries.
   WindowRemove(e);
+  // Lost already (a failed copy, an earlier release): its saves keep saying why they were lost.
+  if (e.state == Residency::kFailed) return;
   e.state = Residency::kFailed;
   e.failure = why;
 }

@@ -344,7 +344,8 @@ class OffloadEngine {
   // device.
   void CountSpilled(const Entry& e, bool spilled);
   void WindowAdd(Entry& e);
-  // Gives `e` the next seq (a save of it after others), in every map keyed by seq.
+  // Gives `e` the next seq (a save of it after others), in every map keyed by the entry's seq
+  // (not offloaded_, whose listings are per save).
   void Resequence(Entry& e);
   void WindowRemove(const Entry& e);
   // Takes in older entries while they fit (after the window lost bytes, or from nothing).

@@ -67,8 +67,12 @@ std::vector<const void*> OffloadEngine::EntryKeys() const {
     // A set-aside entry's key names its storage's current entry, listed in its own place; with
     // none, the newest entry set aside stands for the storage.
     const auto current = entries_.find(entry->key);
-    const bool listed = current != entries_.end() ? current->second.get() == entry
-                                                  : detached_.at(entry->key).back().get() == entry;
+    bool listed = false;
+    if (current != entries_.end()) {
+      listed = current->second.get() == entry;
+    } else if (const auto aside = detached_.find(entry->key); aside != detached_.end()) {
+      listed = aside->second.back().get() == entry;
+    }
     if (listed) keys.push_back(entry->key);
   }
   return keys;

@@ -138,7 +138,8 @@ void OffloadEngine::RemoveKeeper(KeeperId id) {
   e.keepers.erase(id);
   // A save whose keepers are all gone is read by nobody: prefetch must not bring the storage back
   // for it.
-  if (const auto save = e.saves.find(keeper.save_seq); --save->second == 0) {
+  if (const auto save = e.saves.find(keeper.save_seq);
+      save != e.saves.end() && --save->second == 0) {
     e.saves.erase(save);
     UnlistOffloadedAt(e, keeper.save_seq);
   }
@@ -146,7 +147,7 @@ void OffloadEngine::RemoveKeeper(KeeperId id) {
 }
 
 void OffloadEngine::ListOffloaded(Entry& e) {
-  for (const auto& [seq, keepers] : e.saves) offloaded_[seq] = &e;
+  for (const auto& [seq, count] : e.saves) offloaded_[seq] = &e;
 }
 
 void OffloadEngine::UnlistOffloadedAt(const Entry& e, uint64_t seq) {
@@ -158,7 +159,7 @@ void OffloadEngine::UnlistOffloadedAt(const Entry& e, uint64_t seq) {
 }
 
 void OffloadEngine::UnlistOffloaded(const Entry& e) {
-  for (const auto& [seq, keepers] : e.saves) UnlistOffloadedAt(e, seq);
+  for (const auto& [seq, count] : e.saves) UnlistOffloadedAt(e, seq);
   UnlistOffloadedAt(e, e.seq);
 }
 

@@ -15,7 +15,7 @@ inline constexpr std::chrono::milliseconds kPollLimit = std::chrono::seconds(20)
 // Calls `done` every millisecond until it returns true (then true) or `limit` has passed (then
 // false). `done` may act as well as look, as a test that polls like the allocator does.
 template <typename Done>
-bool PollUntil(Done&& done, std::chrono::milliseconds limit = kPollLimit) {
+bool PollUntil(Done done, std::chrono::milliseconds limit = kPollLimit) {
   const auto deadline = std::chrono::steady_clock::now() + limit;
   while (!done()) {
     if (std::chrono::steady_clock::now() >= deadline) return false;

@@ -145,10 +145,10 @@ TEST_F(StreamReuseTest, FailedWorkOnAUseStreamReachesTheObserverNotTheCaller) {
   allocator_->SetStreamErrorObserver([&](const StreamError& e) { seen.push_back(e); });
   FreeAfterAFailingCopyOnOther();
   // Poll as Malloc does until the failing copy has run and its error was found (bounded).
-  PollUntil([&] {
-    EXPECT_NO_THROW(allocator_->ProcessEvents(0));
+  EXPECT_NO_THROW(PollUntil([&] {
+    allocator_->ProcessEvents(0);
     return !seen.empty();
-  });
+  }));
   ASSERT_EQ(seen.size(), 1u);
   EXPECT_EQ(seen[0].stream, other_.id);
   EXPECT_NE(seen[0].message.find("injected copy failure"), std::string::npos);
@@ -164,10 +164,10 @@ TEST_F(StreamReuseTest, AnObserverThatThrowsLosesNeitherTheAllocationNorTheError
     throw std::bad_alloc();
   });
   FreeAfterAFailingCopyOnOther();
-  PollUntil([&] {
-    EXPECT_NO_THROW(allocator_->ProcessEvents(0));
+  ASSERT_NO_THROW(PollUntil([&] {
+    allocator_->ProcessEvents(0);
     return thrown != 0;
-  });
+  }));
   ASSERT_EQ(thrown, 1) << "the failing copy's error was never found";
   void* p = nullptr;
   ASSERT_NO_THROW(p = allocator_->Malloc(kMiB, 0, stream_));

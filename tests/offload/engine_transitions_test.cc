@@ -22,7 +22,7 @@ class OffloadTransitions : public OffloadEngineTest {
   }
 
   // Who Describe says keeps the storage `key`: each keeper's id, and whether its bytes are lost.
-  std::vector<std::pair<KeeperId, bool>> KeepersOf(const void* key) {
+  std::vector<std::pair<KeeperId, bool>> KeepersOf(const void* key) const {
     std::vector<std::pair<KeeperId, bool>> out;
     const std::optional<EntryInfo> info = engine_->Describe(key);
     if (info) {

@@ -163,6 +163,10 @@ TEST_F(OffloadFaultInjection, OffloadFailedSpillCopy) {
   EXPECT_EQ(StateOf(a), Residency::kFailed);
   ExpectLost(ida);  // the error is the entry's, every time asked
   EXPECT_EQ(a->data(), nullptr);
+  // Released afterwards (spillway.release, which lost saves do not stop): the save still names
+  // the copy that lost it.
+  engine_->MarkReleased(a.get(), "freed by the test");
+  ExpectLost(ida);
   EXPECT_EQ(EngineStat("spilled_bytes.current"), static_cast<int64_t>(2 * kMiB));  // b only
 
   // The entry spilled before the fault, the one never spilled, and a spill after it are intact.

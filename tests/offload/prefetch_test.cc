@@ -153,44 +153,36 @@ TEST_F(OffloadPrefetchTest, OffloadAStorageTwoLiveGraphsSavedIsPrefetchedForEach
   OffloadConfig config = Policy(OffloadPolicy::kEager);
   config.prefetch_bytes = 4 * kMiB;
   Make(config, 256 * kMiB, std::chrono::microseconds{0});
-  const auto save_spillable = [&](uint32_t seed, std::shared_ptr<TestStorage>* out) {
-    *out = NewStorage(2 * kMiB, seed);
-    const KeeperId id = Save(*out);
-    (*out)->holders = 0;
-    return id;
-  };
-  std::shared_ptr<TestStorage> a0, a1, b1;
-  auto shared = NewStorage(2 * kMiB, 300);
-  // Graph A: a0, shared, a1. Graph B: shared again, b1.
-  const KeeperId a0_id = save_spillable(301, &a0);
+  // Graph A saves a0, shared and a1; graph B saves shared again, and b1.
+  const std::vector<std::shared_ptr<TestStorage>> storages = {
+      NewStorage(2 * kMiB, 301), NewStorage(2 * kMiB, 300), NewStorage(2 * kMiB, 302),
+      NewStorage(2 * kMiB, 303)};
+  const std::shared_ptr<TestStorage>& shared = storages[1];
+  const KeeperId a0 = Save(storages[0]);
   const KeeperId shared_a = Save(shared);
-  const KeeperId a1_id = save_spillable(302, &a1);
+  const KeeperId a1 = Save(storages[2]);
   const KeeperId shared_b = Save(shared);
-  const KeeperId b1_id = save_spillable(303, &b1);
-  shared->holders = 0;
+  const KeeperId b1 = Save(storages[3]);
+  for (const auto& s : storages) s->holders = 0;
   engine_->ForwardEnd();
   engine_->Synchronize();
-  for (const auto& s : {a0, shared, a1, b1}) ASSERT_EQ(StateOf(s), Residency::kSpilled);
+  for (const auto& s : storages) ASSERT_EQ(StateOf(s), Residency::kSpilled);
+  // Backward reads a save (acquired on the compute stream) and lets go of it.
+  const auto read = [&](KeeperId id, uint32_t seed) {
+    EXPECT_EQ(ReadOn(compute_, engine_->Acquire(id, compute_), 2 * kMiB), Pattern(2 * kMiB, seed));
+    engine_->RemoveKeeper(id);
+  };
   // A's backward first: its first read stalls and brings back the two saves before it in A.
-  void* ptr = engine_->Acquire(a1_id, compute_);
-  EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, 302));
+  read(a1, 302);
   EXPECT_NE(StateOf(shared), Residency::kSpilled) << "not prefetched for the older graph's save";
-  EXPECT_NE(StateOf(a0), Residency::kSpilled);
-  engine_->RemoveKeeper(a1_id);
+  EXPECT_NE(StateOf(storages[0]), Residency::kSpilled);
   engine_->Synchronize();
-  ptr = engine_->Acquire(shared_a, compute_);
-  EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, 300));
-  engine_->RemoveKeeper(shared_a);
-  ptr = engine_->Acquire(a0_id, compute_);
-  EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, 301));
-  engine_->RemoveKeeper(a0_id);
+  read(shared_a, 300);
+  read(a0, 301);
   EXPECT_EQ(EngineStat("num_stalls"), 1);
   // B's backward: shared stayed on the device for it (acquired: never spilled again by a policy).
-  ptr = engine_->Acquire(b1_id, compute_);
-  EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, 303));
-  ptr = engine_->Acquire(shared_b, compute_);
-  EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, 300));
-  for (const KeeperId id : {b1_id, shared_b}) engine_->RemoveKeeper(id);
+  read(b1, 303);
+  read(shared_b, 300);
   EXPECT_EQ(EngineStat("host_bytes.current"), 0);
 }
 
@@ -217,6 +209,18 @@ TEST_F(OffloadPrefetchTest, OffloadASaveWhoseKeepersWentIsNoReasonToPrefetch) {
   EXPECT_EQ(StateOf(late), Residency::kSpilled) << "brought back for a save nobody keeps";
   EXPECT_EQ(EngineStat("num_reloads"), 1);
   for (const KeeperId id : {late_again, between_id}) engine_->RemoveKeeper(id);
+  // Every save of `late` gone, its entry went with them: a later walk over the saves where it was
+  // listed finds nothing of it (a listing left behind would be read after the entry was freed).
+  late.reset();
+  auto after = NewStorage(2 * kMiB, 312);
+  const KeeperId after_id = Save(after);
+  after->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  EXPECT_EQ(ReadOn(compute_, engine_->Acquire(after_id, compute_), 2 * kMiB),
+            Pattern(2 * kMiB, 312));
+  EXPECT_EQ(EngineStat("num_reloads"), 2);
+  engine_->RemoveKeeper(after_id);
 }
 
 // Two views of one storage acquired while its reload runs: one reload, one stall, timed from the
