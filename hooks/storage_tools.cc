@@ -115,7 +115,7 @@ py::list Keepers(const at::Tensor& tensor) {
 py::dict Release(const at::Tensor& tensor, bool force) {
   CheckTensor(tensor, "spillway.release");
   const std::optional<EntryInfo> entry = EntryOf(tensor);
-  // Saves whose bytes are lost already (an earlier forced release) have nothing to lose.
+  // Saves whose bytes are lost already (a forced release, a failed copy) have nothing to lose.
   const auto needed = entry ? std::count_if(entry->keepers.begin(), entry->keepers.end(),
                                             [](const KeeperInfo& k) { return !k.lost; })
                             : 0;

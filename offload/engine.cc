@@ -131,7 +131,7 @@ void OffloadEngine::Drop(Entry& e) {
   by_seq_.erase(e.seq);
   spill_candidates_.erase(e.seq);
   WindowRemove(e);
-  UnlistOffloaded(e);
+  // (Not listed in offloaded_ any more: each save's listing went with its last keeper.)
   --stats_.num_entries;
   // Taken out of its map, which is left whole before `e` is destroyed (at the end of this scope,
   // releasing the engine's hold on the storage): the storage's last release can run code that

@@ -354,9 +354,8 @@ class OffloadEngine {
   // listed at each of their live saves (Entry::saves), since a backward reads a storage at the
   // save its graph made. Pruned lazily too; a save's listing goes with its last keeper.
   absl::btree_map<uint64_t, Entry*> offloaded_;
-  // Lists `e` in offloaded_ at each of its live saves; Unlist takes every listing of it out.
+  // Lists `e` in offloaded_ at each of its live saves; Unlist takes its listing at `seq` out.
   void ListOffloaded(Entry& e);
-  void UnlistOffloaded(const Entry& e);
   void UnlistOffloadedAt(const Entry& e, uint64_t seq);
   uint64_t next_seq_ = 1;
   KeeperId next_keeper_ = 1;

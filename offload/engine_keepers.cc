@@ -158,9 +158,4 @@ void OffloadEngine::UnlistOffloadedAt(const Entry& e, uint64_t seq) {
   }
 }
 
-void OffloadEngine::UnlistOffloaded(const Entry& e) {
-  for (const auto& [seq, count] : e.saves) UnlistOffloadedAt(e, seq);
-  UnlistOffloadedAt(e, e.seq);
-}
-
 }  // namespace spillway

@@ -118,6 +118,11 @@ class OffloadEngineTest : public ::testing::Test {
   bool AwaitHostWaiter(StreamRef stream) {
     return PollUntil([&] { return backend_->host_waiters(0, stream.handle) != 0; });
   }
+  // Acquires on the compute stream and reads the bytes back there, as a kernel would.
+  std::vector<uint8_t> AcquireAndRead(KeeperId id, size_t nbytes) {
+    void* ptr = engine_->Acquire(id, compute_);
+    return ReadOn(compute_, ptr, nbytes);
+  }
   int64_t EngineStat(const std::string& name) { return engine_->stats().Flatten().at(name); }
   int64_t AllocStat(const std::string& name) { return allocator_->FlatStats(0).at(name); }
 

@@ -25,12 +25,6 @@ class OffloadFaultInjection : public OffloadEngineTest {
     return ReadOn(compute_, s->data(), s->nbytes());
   }
 
-  // Acquires on the compute stream and reads the bytes back there, as a kernel would.
-  std::vector<uint8_t> AcquireAndRead(KeeperId id, size_t nbytes) {
-    void* ptr = engine_->Acquire(id, compute_);
-    return ReadOn(compute_, ptr, nbytes);
-  }
-
   // The program's next allocation of `nbytes` on the compute stream, written there by a kernel
   // while the engine's host-to-device stream is held by `hold`; returns what the block holds
   // once every copy has run. Anything but the kernel's bytes means an engine copy landed in a

@@ -13,7 +13,15 @@
 namespace spillway::testing {
 namespace {
 
-using OffloadPrefetchTest = OffloadEngineTest;
+class OffloadPrefetchTest : public OffloadEngineTest {
+ protected:
+  // Eager, on a roomy device, with a window of 4 MiB: two of the tests' 2 MiB saves ahead.
+  void MakeTwoSavesAhead() {
+    OffloadConfig config = Policy(OffloadPolicy::kEager);
+    config.prefetch_bytes = 4 * kMiB;
+    Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  }
+};
 
 // A prefetch is a guess: under every policy it stops at the budget (80% of the device by
 // default), leaving backward's own allocations their headroom, however large the window.
@@ -49,9 +57,7 @@ TEST_F(OffloadPrefetchTest, OffloadPrefetchStopsAtTheBudgetUnderEagerToo) {
 }
 
 TEST_F(OffloadPrefetchTest, OffloadPrefetchReloadsAheadInReverseSaveOrder) {
-  OffloadConfig config = Policy(OffloadPolicy::kEager);
-  config.prefetch_bytes = 4 * kMiB;
-  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  MakeTwoSavesAhead();
   std::vector<std::shared_ptr<TestStorage>> saved;
   std::vector<KeeperId> ids;
   for (uint32_t i = 0; i < 6; ++i) {
@@ -82,9 +88,7 @@ TEST_F(OffloadPrefetchTest, OffloadPrefetchReloadsAheadInReverseSaveOrder) {
 // from the first save, and the saves made between stalled). Each keeper keeps its own save's
 // place: an older graph's backward reads its own saves, never a newer graph's.
 TEST_F(OffloadPrefetchTest, OffloadAStorageSavedAgainPrefetchesFromTheSaveBeingRead) {
-  OffloadConfig config = Policy(OffloadPolicy::kEager);
-  config.prefetch_bytes = 4 * kMiB;
-  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  MakeTwoSavesAhead();
   auto shared = NewStorage(2 * kMiB, 100);
   const KeeperId first = Save(shared);
   std::vector<std::shared_ptr<TestStorage>> saved;
@@ -123,9 +127,7 @@ TEST_F(OffloadPrefetchTest, OffloadAStorageSavedAgainPrefetchesFromTheSaveBeingR
 // there, never from the storage's latest save (the saves between are read after it... in the
 // other graph's backward, or later in this one: they are not older than the save being read).
 TEST_F(OffloadPrefetchTest, OffloadAnOlderKeeperPrefetchesFromItsOwnSave) {
-  OffloadConfig config = Policy(OffloadPolicy::kEager);
-  config.prefetch_bytes = 4 * kMiB;
-  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  MakeTwoSavesAhead();
   auto before = NewStorage(2 * kMiB, 200);  // saved before the first save: older than it
   const KeeperId before_id = Save(before);
   before->holders = 0;
@@ -150,9 +152,7 @@ TEST_F(OffloadPrefetchTest, OffloadAnOlderKeeperPrefetchesFromItsOwnSave) {
 // backward): the older graph's backward reads it at its own save, and prefetch brings it back
 // from there (it was listed at the newer save alone, and the older backward stalled on it).
 TEST_F(OffloadPrefetchTest, OffloadAStorageTwoLiveGraphsSavedIsPrefetchedForEach) {
-  OffloadConfig config = Policy(OffloadPolicy::kEager);
-  config.prefetch_bytes = 4 * kMiB;
-  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  MakeTwoSavesAhead();
   // Graph A saves a0, shared and a1; graph B saves shared again, and b1.
   const std::vector<std::shared_ptr<TestStorage>> storages = {
       NewStorage(2 * kMiB, 301), NewStorage(2 * kMiB, 300), NewStorage(2 * kMiB, 302),
@@ -169,7 +169,7 @@ TEST_F(OffloadPrefetchTest, OffloadAStorageTwoLiveGraphsSavedIsPrefetchedForEach
   for (const auto& s : storages) ASSERT_EQ(StateOf(s), Residency::kSpilled);
   // Backward reads a save (acquired on the compute stream) and lets go of it.
   const auto read = [&](KeeperId id, uint32_t seed) {
-    EXPECT_EQ(ReadOn(compute_, engine_->Acquire(id, compute_), 2 * kMiB), Pattern(2 * kMiB, seed));
+    EXPECT_EQ(AcquireAndRead(id, 2 * kMiB), Pattern(2 * kMiB, seed));
     engine_->RemoveKeeper(id);
   };
   // A's backward first: its first read stalls and brings back the two saves before it in A.
@@ -189,9 +189,7 @@ TEST_F(OffloadPrefetchTest, OffloadAStorageTwoLiveGraphsSavedIsPrefetchedForEach
 // A save whose keepers are gone is read by nobody: prefetch does not bring its storage back
 // there (the storage waits, spilled, for the save still kept).
 TEST_F(OffloadPrefetchTest, OffloadASaveWhoseKeepersWentIsNoReasonToPrefetch) {
-  OffloadConfig config = Policy(OffloadPolicy::kEager);
-  config.prefetch_bytes = 4 * kMiB;
-  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  MakeTwoSavesAhead();
   auto late = NewStorage(2 * kMiB, 310);
   const KeeperId late_first = Save(late);
   auto between = NewStorage(2 * kMiB, 311);
@@ -217,8 +215,7 @@ TEST_F(OffloadPrefetchTest, OffloadASaveWhoseKeepersWentIsNoReasonToPrefetch) {
   after->holders = 0;
   engine_->ForwardEnd();
   engine_->Synchronize();
-  EXPECT_EQ(ReadOn(compute_, engine_->Acquire(after_id, compute_), 2 * kMiB),
-            Pattern(2 * kMiB, 312));
+  EXPECT_EQ(AcquireAndRead(after_id, 2 * kMiB), Pattern(2 * kMiB, 312));
   EXPECT_EQ(EngineStat("num_reloads"), 2);
   engine_->RemoveKeeper(after_id);
 }
