@@ -244,7 +244,7 @@ def finish_pending():
         # The process-wide (non-context) form of saved_tensors_hooks: scripts need no change.
         torch._C._autograd._push_saved_tensors_default_hooks(spillway._api._pack,
                                                              spillway._api._unpack)
-        spillway._api._process_wide = True
+        spillway._api._process_wide_saves = (info["offload"] == "off", info["min_bytes"])
 
 
 def _report(fn):

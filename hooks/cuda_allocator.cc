@@ -22,7 +22,6 @@
 #include <utility>
 #include <vector>
 
-#include "hooks/runtime.h"
 #include "hooks/torch_compat.h"
 #include "hooks/trace_context.h"
 #include "offload/engine.h"
@@ -113,6 +112,7 @@ class SpillwayCudaAllocator final : public Base {
   explicit SpillwayCudaAllocator(CachingAllocator& allocator) : alloc_(allocator) {}
 
   static SpillwayCudaAllocator* instance;
+  void set_empty_cache(std::function<void()> fn) { empty_cache_ = std::move(fn); }
 
   // --- c10::Allocator ---
   c10::DataPtr allocate(size_t size) SPILLWAY_ALLOCATE_CONST {
@@ -160,7 +160,7 @@ class SpillwayCudaAllocator final : public Base {
   // --- cache and limits ---
   // As spillway.empty_cache(): the pinned host chunks no spilled data uses go back too.
   void emptyCache() {
-    Guard([&] { Runtime::Get().EmptyCache(alloc_); });
+    Guard([&] { empty_cache_ ? empty_cache_() : alloc_.EmptyCache(); });
   }
   void emptyCache(MempoolId id) {
     CheckDefaultPool(id);
@@ -457,6 +457,10 @@ class SpillwayCudaAllocator final : public Base {
   }
 
   CachingAllocator& alloc_;
+  // What empty_cache() runs in place of the allocator's EmptyCache alone (the runtime's, which
+  // gives back the offload engine's unused pinned host memory too): set once, before the adapter
+  // is installed, so never while torch may call it.
+  std::function<void()> empty_cache_;
   bool initialized_ = false;
   std::mutex mutex_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
@@ -479,7 +483,7 @@ c10::Allocator* CudaAllocatorAdapter(CachingAllocator& allocator) {
   return SpillwayCudaAllocator::instance;
 }
 
-void InstallCudaAllocator(CachingAllocator& allocator) {
+void InstallCudaAllocator(CachingAllocator& allocator, const std::function<void()>& empty_cache) {
   auto* ours = static_cast<SpillwayCudaAllocator*>(CudaAllocatorAdapter(allocator));
   Base* current = cca::allocator.load();
   if (current == ours) return;  // installed already: a no-op
@@ -489,6 +493,7 @@ void InstallCudaAllocator(CachingAllocator& allocator) {
         ") is in use and cannot be replaced; install Spillway before creating any CUDA tensor "
         "(or set SPILLWAY_ALLOC_CONF before starting Python)");
   }
+  ours->set_empty_cache(empty_cache);
   cca::allocator.store(ours);
   // Code that asks c10 for the CUDA allocator by device type (c10::GetAllocator, and
   // c10::getDeviceAllocator in newer torch) must see the same one.
@@ -511,7 +516,10 @@ namespace {
 }
 }  // namespace
 
-void InstallCudaAllocator(CachingAllocator& /*allocator*/) { NoAdapter(); }
+void InstallCudaAllocator(CachingAllocator& /*allocator*/,
+                          const std::function<void()>& /*empty_cache*/) {
+  NoAdapter();
+}
 
 c10::Allocator* CudaAllocatorAdapter(CachingAllocator& /*allocator*/) { NoAdapter(); }
 

@@ -12,6 +12,8 @@
 // A release that adds a pure virtual we do not declare fails to compile here, loudly.
 #pragma once
 
+#include <functional>
+
 #include "allocator/caching_allocator.h"
 
 namespace c10 {
@@ -22,10 +24,13 @@ namespace spillway::torch_layer {
 
 // True when this build contains the adapter (a CUDA torch >= 2.4).
 bool HasCudaAllocator();
-// Stores the adapter over `allocator` as PyTorch's CUDA allocator (process lifetime). Throws
-// InvalidArgumentError when CUDA was already initialized (PyTorch's allocator is then in use and
-// cannot be swapped) or when this build has no adapter.
-void InstallCudaAllocator(CachingAllocator& allocator);
+// Stores the adapter over `allocator` as PyTorch's CUDA allocator (process lifetime); its
+// empty_cache() runs `empty_cache` when given (the allocator's and the offload engine's caches:
+// the adapter knows no engine, so the benchmark can link it without the Python runtime), else the
+// allocator's EmptyCache. Throws InvalidArgumentError when CUDA was already initialized
+// (PyTorch's allocator is then in use and cannot be swapped) or when this build has no adapter.
+void InstallCudaAllocator(CachingAllocator& allocator,
+                          const std::function<void()>& empty_cache = {});
 // The adapter over `allocator` (a c10::cuda::CUDACachingAllocator::CUDAAllocator), created on
 // first call, process lifetime, not installed by this call: the native-vs-Spillway benchmark
 // drives it next to PyTorch's own. Later calls return the same adapter whatever `allocator`.

@@ -95,7 +95,8 @@ PYBIND11_MODULE(_C, m) {
       throw sw::InvalidArgumentError(
           "install_cuda_allocator: install Spillway for device \"cuda\" first");
     }
-    tl::InstallCudaAllocator(runtime.allocator());
+    tl::InstallCudaAllocator(runtime.allocator(),
+                             [&runtime] { runtime.EmptyCache(runtime.allocator()); });
   });
   m.def("abandon_cuda_install", [] { tl::Runtime::Get().AbandonCudaInstall(); });
   m.def("installed_mode", [] {
@@ -150,7 +151,19 @@ PYBIND11_MODULE(_C, m) {
   py::class_<tl::KeptRegistration>(m, "KeptRegistration")
       .def(py::init<const at::Tensor&>())
       .def("__len__", &tl::KeptRegistration::size);
-  m.def("pack", &tl::Pack);
+  // pack(tensor[, off, min_bytes]): the settings of the offload block open on the saving thread
+  // (another thread's may be the engine's now); without them, the engine's configuration.
+  m.def(
+      "pack",
+      [](const at::Tensor& tensor, std::optional<bool> off, std::optional<size_t> min_bytes) {
+        if (off.has_value() != min_bytes.has_value()) {
+          throw py::value_error("pack: give off and min_bytes together, or neither");
+        }
+        std::optional<spillway::SaveSettings> settings;
+        if (off.has_value()) settings = spillway::SaveSettings{*off, *min_bytes};
+        return tl::Pack(tensor, settings);
+      },
+      py::arg("tensor"), py::arg("off") = py::none(), py::arg("min_bytes") = py::none());
   m.def("unpack", &tl::Unpack);
   m.def("forward_end", &tl::ForwardEnd);
   m.def("count_skip",

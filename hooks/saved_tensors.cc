@@ -121,7 +121,7 @@ at::Tensor SavedHandle::Unpack() const {
   return out;
 }
 
-std::shared_ptr<SavedHandle> Pack(const at::Tensor& tensor) {
+std::shared_ptr<SavedHandle> Pack(const at::Tensor& tensor, std::optional<SaveSettings> settings) {
   Runtime& runtime = Runtime::Get();
   OffloadEngine& engine = runtime.engine();
   if (const char* reason = SkipReason(tensor, runtime)) {
@@ -146,7 +146,7 @@ std::shared_ptr<SavedHandle> Pack(const at::Tensor& tensor) {
   const std::optional<KeeperId> id = engine.AddKeeper(
       storage.unsafeGetStorageImpl(),
       [&] { return std::make_shared<TorchStorage>(storage, device); }, std::move(view),
-      runtime.CurrentStream(device));
+      runtime.CurrentStream(device), settings);
   if (!id) return std::make_shared<SavedHandle>(tensor);
   return std::make_shared<SavedHandle>(*id, tensor);
 }

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,8 +53,10 @@ class SavedHandle {
   uint32_t saved_version_ = 0;
 };
 
-// pack_hook / unpack_hook bodies. `Pack` counts why a tensor is kept as it is.
-std::shared_ptr<SavedHandle> Pack(const at::Tensor& tensor);
+// pack_hook / unpack_hook bodies. `Pack` counts why a tensor is kept as it is; `settings` are
+// those of the offload block the save was made in (without them, the engine's configuration).
+std::shared_ptr<SavedHandle> Pack(const at::Tensor& tensor,
+                                  std::optional<SaveSettings> settings = std::nullopt);
 at::Tensor Unpack(const SavedHandle& handle);
 // Phase signal: the offload context manager's exit.
 void ForwardEnd();

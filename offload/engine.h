@@ -97,6 +97,13 @@ struct OffloadEvent {
 };
 std::string_view OffloadEventName(OffloadEvent::Kind kind);
 
+// What one save asks of the engine: the settings of the offload block it was saved in, which
+// another thread's block may have replaced in the engine's configuration since.
+struct SaveSettings {
+  bool never_spill = false;  // saved under "off": stays on the device, whatever comes later
+  size_t min_bytes = 0;      // a storage smaller than this at its first save is never spilled
+};
+
 class OffloadEngine {
  public:
   // Registers itself with `allocator` for the out-of-memory rescue and the budget watermark.
@@ -109,11 +116,13 @@ class OffloadEngine {
   // (the caller's storage object); it stays unique while the entry lives because the entry keeps
   // the storage alive. `make_storage` is called only when the storage has no entry yet, so one
   // binding serves every view. Returns nullopt, counting the reason, for a storage the engine
-  // will not manage (zero bytes, not allocated by Spillway). Runs the policy afterwards; should
-  // that throw (a ProgramStreamError), the keeper is not registered.
+  // will not manage (zero bytes, not allocated by Spillway). `settings`: the save's own (see
+  // SaveSettings); without them, the configuration's policy ("off" or not) and min_bytes. Runs the
+  // policy afterwards; should that throw (a ProgramStreamError), the keeper is not registered.
   using StorageFactory = std::function<std::shared_ptr<Storage>()>;
   std::optional<KeeperId> AddKeeper(const void* key, const StorageFactory& make_storage,
-                                    ViewInfo view, StreamRef producer);
+                                    ViewInfo view, StreamRef producer,
+                                    std::optional<SaveSettings> settings = std::nullopt);
   // The storage a keeper keeps (to rebuild its view), or null for an unknown keeper.
   std::shared_ptr<Storage> StorageOf(KeeperId id) const;
   // Blocks the host until the copies in flight for the keeper's storage are done: for consumers
@@ -207,7 +216,8 @@ class OffloadEngine {
   // The entry a save of `key` joins: the storage's, or a new one (a failed entry whose storage
   // has memory again is set aside in detached_). Null when the engine cannot keep the storage
   // (empty, or not a whole block of its allocator), counted as a skip.
-  Entry* EntryForSave(const void* key, const StorageFactory& make_storage, StreamRef producer);
+  Entry* EntryForSave(const void* key, const StorageFactory& make_storage, StreamRef producer,
+                      const SaveSettings& settings);
   Entry& EntryOf(KeeperId id) const { return *KeeperOf(id).entry; }
   // Settles a spilling or reloading entry whose copy has completed; with `wait`, blocks the host
   // until it has. A failed copy makes the entry kFailed.

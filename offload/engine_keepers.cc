@@ -13,13 +13,16 @@ namespace spillway {
 // NOLINTBEGIN(performance-unnecessary-value-param)
 std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
                                                  const StorageFactory& make_storage, ViewInfo view,
-                                                 StreamRef producer) {
+                                                 StreamRef producer,
+                                                 std::optional<SaveSettings> settings) {
   // NOLINTEND(performance-unnecessary-value-param)
   if (key == nullptr || !make_storage) {
     throw InvalidArgumentError("OffloadEngine::AddKeeper: key and storage factory must be given");
   }
   EngineLock lock(mutex_);
-  Entry* const entry = EntryForSave(key, make_storage, producer);
+  const SaveSettings save =
+      settings.value_or(SaveSettings{config_.policy == OffloadPolicy::kOff, config_.min_bytes});
+  Entry* const entry = EntryForSave(key, make_storage, producer, save);
   if (entry == nullptr) return std::nullopt;
   Entry& e = *entry;
   // Saved before, and other saves since: backward reads it first at this save. Auto's spill order
@@ -32,7 +35,7 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   e.producer = producer;
   // Each save follows the block it was saved in: a storage saved in an "off" block (say, nested in
   // an "eager" one) stays on the device after that block ends, too.
-  if (config_.policy == OffloadPolicy::kOff) e.saved_under_off = true;
+  if (save.never_spill) e.saved_under_off = true;
   const KeeperId id = next_keeper_++;
   e.keepers.emplace(id, std::move(view));
   keepers_[id] = Keeper{&e, e.seq};
@@ -51,7 +54,8 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
 
 OffloadEngine::Entry* OffloadEngine::EntryForSave(const void* key,
                                                   const StorageFactory& make_storage,
-                                                  StreamRef producer) {
+                                                  StreamRef producer,
+                                                  const SaveSettings& settings) {
   // The storage's binding, kept by its failed entries set aside: a second binding would count the
   // first as a holder, and the new entry would never be spilled.
   std::shared_ptr<Storage> bound;
@@ -89,13 +93,13 @@ OffloadEngine::Entry* OffloadEngine::EntryForSave(const void* key,
   entry->producer = producer;
   entry->block_stream = info->stream;
   entry->seq = next_seq_++;
-  if (nbytes < config_.min_bytes) {
+  if (nbytes < settings.min_bytes) {
     entry->policy_refused = true;
     CountSkip(kSkipSmall);
   } else {
     WindowAdd(*entry);
     // A save under "off" is never spilled by a policy (saved_under_off, in AddKeeper).
-    if (config_.policy != OffloadPolicy::kOff) spill_candidates_[entry->seq] = entry.get();
+    if (!settings.never_spill) spill_candidates_[entry->seq] = entry.get();
   }
   by_seq_[entry->seq] = entry.get();
   ++stats_.num_entries;

@@ -184,7 +184,13 @@ def _pack(tensor):
     if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
         _C.count_skip("subclass")
         return _Kept(tensor)
-    return _C.pack(tensor)
+    # Each save follows the innermost block open on its own thread (another thread's block may
+    # have set the engine's configuration since), or the environment hook's settings.
+    stack = _thread_stack()
+    saves = stack[-1][3] if stack else _process_wide_saves
+    if saves is None:  # hooks that reached another thread with autograd's state: the engine's
+        return _C.pack(tensor)
+    return _C.pack(tensor, *saves)
 
 
 def _unpack(packed):
@@ -197,10 +203,12 @@ def _unpack(packed):
 # environment hook's process-wide form): either way a block that ends gives the settings back.
 _open_blocks = 0
 # Per thread (a decorated forward may run on several), every offload block open on it, innermost
-# last, as (block, its saved-tensor hooks, the settings it replaced): blocks must close in the
-# reverse order (saved-tensor hooks are a stack, and each block puts back what it replaced).
+# last, as (block, its saved-tensor hooks, the settings it replaced, how its saves are made):
+# blocks must close in the reverse order (saved-tensor hooks are a stack, and each block puts back
+# what it replaced).
 _open_on_thread = threading.local()
-_process_wide = False
+# Under the environment hook, how saves outside any block are made: (never spill, min_bytes).
+_process_wide_saves = None
 
 
 class offload(contextlib.ContextDecorator):
@@ -223,7 +231,12 @@ class offload(contextlib.ContextDecorator):
     (one saved in an "off" block stays on the device), and when an inner block ends the enclosing
     block's settings come back; when to spill is up to the policy in force. The outermost block's
     settings stay in force after it, for the backward pass (under the environment hook, the
-    process-wide settings come back instead). Blocks are meant to be opened by one thread.
+    process-wide settings come back instead).
+
+    Threads: a block's hooks, like PyTorch's, serve the thread that entered it, and each save
+    keeps the "off" and min_bytes of the innermost block open on its own thread. When and how much
+    to spill (the policy, budget_bytes, prefetch_bytes) is the engine's, one setting per process:
+    the block entered or left last, on any thread, sets it.
 
     The arguments are checked when the block is made; it can be entered again (each step of a
     training loop, say, as with save_on_cpu), nested in itself, and used as a decorator.
@@ -244,14 +257,14 @@ class offload(contextlib.ContextDecorator):
         previous = _C.offload_config()
         # What this block's end puts back: the enclosing settings, if any (the outermost block's
         # stay in force after it, for backward).
-        enclosing = previous if (_open_blocks > 0 or _process_wide) else None
+        enclosing = previous if (_open_blocks > 0 or _process_wide_saves is not None) else None
 
         def given(value, key):
             return value if value is not None else defaults[key]
 
-        _C.configure_offload(given(self._policy, "policy"),
-                             given(self._budget_bytes, "budget_bytes"),
-                             defaults["budget_fraction"], given(self._min_bytes, "min_bytes"),
+        policy, min_bytes = given(self._policy, "policy"), given(self._min_bytes, "min_bytes")
+        _C.configure_offload(policy, given(self._budget_bytes, "budget_bytes"),
+                             defaults["budget_fraction"], min_bytes,
                              given(self._prefetch_bytes, "prefetch_bytes"))
         _open_blocks += 1
         hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
@@ -260,12 +273,12 @@ class offload(contextlib.ContextDecorator):
         except BaseException:
             self._leave(previous)  # a block that never began leaves nothing of its settings
             raise
-        _thread_stack().append((self, hooks, enclosing))
+        _thread_stack().append((self, hooks, enclosing, (policy == "off", min_bytes)))
         return self
 
     def __exit__(self, *exc_info):
         stack = _thread_stack()
-        if not any(block is self for block, _, _ in stack):
+        if not any(entry[0] is self for entry in stack):
             # Exited twice, or on another thread than the one that entered it (saved-tensor
             # hooks are per thread): nothing of this block is open here.
             raise RuntimeError("spillway.offload: exited without being entered on this thread; a "
@@ -276,7 +289,7 @@ class offload(contextlib.ContextDecorator):
             raise RuntimeError("spillway.offload: exited while a block entered after it is still "
                                "open; blocks exit in the reverse order they were entered (as "
                                "`with` statements do): exit the inner one first")
-        _, hooks, enclosing = stack.pop()
+        _, hooks, enclosing, _ = stack.pop()
         try:
             try:
                 _C.forward_end()

