@@ -245,6 +245,7 @@ def finish_pending():
         torch._C._autograd._push_saved_tensors_default_hooks(spillway._api._pack,
                                                              spillway._api._unpack)
         spillway._api._process_wide_saves = (info["offload"] == "off", info["min_bytes"])
+        spillway._api._process_wide_config = spillway._C.offload_config()
 
 
 def _report(fn):

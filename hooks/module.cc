@@ -95,8 +95,8 @@ PYBIND11_MODULE(_C, m) {
       throw sw::InvalidArgumentError(
           "install_cuda_allocator: install Spillway for device \"cuda\" first");
     }
-    tl::InstallCudaAllocator(runtime.allocator(),
-                             [&runtime] { runtime.EmptyCache(runtime.allocator()); });
+    sw::CachingAllocator& allocator = runtime.allocator();
+    tl::InstallCudaAllocator(allocator, [&runtime, &allocator] { runtime.EmptyCache(allocator); });
   });
   m.def("abandon_cuda_install", [] { tl::Runtime::Get().AbandonCudaInstall(); });
   m.def("installed_mode", [] {

@@ -188,7 +188,7 @@ def _pack(tensor):
     # have set the engine's configuration since), or the environment hook's settings.
     stack = _thread_stack()
     saves = stack[-1][3] if stack else _process_wide_saves
-    if saves is None:  # hooks that reached another thread with autograd's state: the engine's
+    if saves is None:  # no block open on this thread and no environment hook: the engine's
         return _C.pack(tensor)
     return _C.pack(tensor, *saves)
 
@@ -207,8 +207,13 @@ _open_blocks = 0
 # blocks must close in the reverse order (saved-tensor hooks are a stack, and each block puts back
 # what it replaced).
 _open_on_thread = threading.local()
-# Under the environment hook, how saves outside any block are made: (never spill, min_bytes).
+# Under the environment hook, how saves outside any block are made: (never spill, min_bytes),
+# and the whole process-wide configuration, which the last block to end on any thread puts back.
 _process_wide_saves = None
+_process_wide_config = None
+# Entering and leaving blocks read, change and count the engine's one configuration: one thread
+# at a time (reentrant: a failed entry leaves through _leave).
+_blocks_lock = threading.RLock()
 
 
 class offload(contextlib.ContextDecorator):
@@ -236,7 +241,8 @@ class offload(contextlib.ContextDecorator):
     Threads: a block's hooks, like PyTorch's, serve the thread that entered it, and each save
     keeps the "off" and min_bytes of the innermost block open on its own thread. When and how much
     to spill (the policy, budget_bytes, prefetch_bytes) is the engine's, one setting per process:
-    the block entered or left last, on any thread, sets it.
+    a block's start sets it and its end puts back what the block found at its start (under the
+    environment hook, the last block to end on any thread puts the process-wide settings back).
 
     The arguments are checked when the block is made; it can be entered again (each step of a
     training loop, say, as with save_on_cpu), nested in itself, and used as a decorator.
@@ -254,19 +260,20 @@ class offload(contextlib.ContextDecorator):
         global _open_blocks
         _require_installed("offload")
         defaults = _C.offload_defaults()
-        previous = _C.offload_config()
-        # What this block's end puts back: the enclosing settings, if any (the outermost block's
-        # stay in force after it, for backward).
-        enclosing = previous if (_open_blocks > 0 or _process_wide_saves is not None) else None
 
         def given(value, key):
             return value if value is not None else defaults[key]
 
         policy, min_bytes = given(self._policy, "policy"), given(self._min_bytes, "min_bytes")
-        _C.configure_offload(policy, given(self._budget_bytes, "budget_bytes"),
-                             defaults["budget_fraction"], min_bytes,
-                             given(self._prefetch_bytes, "prefetch_bytes"))
-        _open_blocks += 1
+        with _blocks_lock:
+            previous = _C.offload_config()
+            # What this block's end puts back: the enclosing settings, if any (the outermost
+            # block's stay in force after it, for backward).
+            enclosing = previous if (_open_blocks > 0 or _process_wide_saves is not None) else None
+            _C.configure_offload(policy, given(self._budget_bytes, "budget_bytes"),
+                                 defaults["budget_fraction"], min_bytes,
+                                 given(self._prefetch_bytes, "prefetch_bytes"))
+            _open_blocks += 1
         hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
         try:
             hooks.__enter__()
@@ -302,11 +309,17 @@ class offload(contextlib.ContextDecorator):
     @staticmethod
     def _leave(enclosing):
         global _open_blocks
-        _open_blocks -= 1
-        if enclosing is not None:
-            _C.configure_offload(enclosing["policy"], enclosing["budget_bytes"],
-                                 enclosing["budget_fraction"], enclosing["min_bytes"],
-                                 enclosing["prefetch_bytes"])
+        with _blocks_lock:
+            _open_blocks -= 1
+            # Under the environment hook the last block to end, on whichever thread, puts the
+            # process-wide settings back: blocks of several threads may end in another order than
+            # they began, and what the last one found at its start may be a block's long ended.
+            if _open_blocks == 0 and _process_wide_config is not None:
+                enclosing = _process_wide_config
+            if enclosing is not None:
+                _C.configure_offload(enclosing["policy"], enclosing["budget_bytes"],
+                                     enclosing["budget_fraction"], enclosing["min_bytes"],
+                                     enclosing["prefetch_bytes"])
 
 
 def _thread_stack():

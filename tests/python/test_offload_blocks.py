@@ -168,6 +168,33 @@ def test_saves_outside_blocks_follow_the_environment_hook_while_a_thread_is_in_a
     assert "spills 1" in out.stdout, out.stdout
 
 
+@pytest.mark.skipif(test_environment.SITE is None, reason="SPILLWAY_PYTHON_SITE not set")
+def test_the_last_block_to_end_on_any_thread_puts_the_process_wide_settings_back():
+    """Review: under the environment hook, blocks of two threads that end in another order than
+    they began left the settings of a block long ended in force (each end put back what its block
+    found at its start): here the main thread's "eager" for good, where "auto" belongs."""
+    out = test_environment.run_script("""
+        import threading, spillway
+        entered, finish = threading.Event(), threading.Event()
+        def other_thread():
+            with spillway.offload("off"):  # found the main thread's "eager" block at its start
+                entered.set()
+                finish.wait(timeout=60)
+        block = spillway.offload("eager")
+        block.__enter__()
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        assert entered.wait(timeout=60)
+        block.__exit__(None, None, None)  # ends first
+        finish.set()
+        thread.join()
+        print("policy", spillway._C.offload_config()["policy"])
+    """, env={"PYTHONUSERBASE": test_environment.SITE,
+              "SPILLWAY_ALLOC_CONF": "device:sim,capacity_mb:256,offload:auto"})
+    assert out.returncode == 0, out.stderr
+    assert "policy auto" in out.stdout, out.stdout
+
+
 def test_empty_cache_gives_pinned_host_memory_back():
     out = run_script("""
         import torch, spillway
