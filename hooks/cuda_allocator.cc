@@ -115,17 +115,15 @@ class SpillwayCudaAllocator final : public Base {
   void set_empty_cache(std::function<void()> fn) { empty_cache_ = std::move(fn); }
 
   // --- c10::Allocator ---
-  c10::DataPtr allocate(size_t size) SPILLWAY_ALLOCATE_CONST {
+  c10::DataPtr allocate(size_t size) {
     const c10::DeviceIndex device = CurrentDevice();
     void* ptr = Malloc(size, device, c10::cuda::getCurrentCUDAStream(device).stream());
     return {ptr, ptr, &RawDeleteFn, c10::Device(c10::DeviceType::CUDA, device)};
   }
   c10::DeleterFnPtr raw_deleter() const { return &RawDeleteFn; }
-#if SPILLWAY_HAS_COPY_DATA
   void copy_data(void* dest, const void* src, std::size_t count) const {
     C10_CUDA_CHECK(cudaMemcpy(dest, src, count, cudaMemcpyDeviceToDevice));
   }
-#endif
 
   // --- raw allocation ---
   void* raw_alloc(size_t nbytes) {

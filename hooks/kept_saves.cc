@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "hooks/runtime.h"
+#include "hooks/torch_storage.h"
 
 namespace spillway::torch_layer {
 namespace {
@@ -150,9 +151,7 @@ int64_t OtherHoldersOfKeptStorages(const std::vector<KeptSave>& kept) {
   for (const KeptSave& k : kept) {
     if (std::find(seen.begin(), seen.end(), k.storage) != seen.end()) continue;
     seen.push_back(k.storage);
-    others += static_cast<int64_t>(c10::raw::intrusive_ptr::use_count(
-                  const_cast<c10::StorageImpl*>(k.storage))) -  // NOLINT: a read-only count
-              KeptOn(k.storage, kept);
+    others += Holders(k.storage) - KeptOn(k.storage, kept);
   }
   return others;
 }

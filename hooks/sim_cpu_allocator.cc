@@ -11,7 +11,7 @@
 
 namespace spillway::torch_layer {
 
-c10::DataPtr SimCpuAllocator::allocate(size_t nbytes) SPILLWAY_ALLOCATE_CONST {
+c10::DataPtr SimCpuAllocator::allocate(size_t nbytes) {
   void* ptr = nullptr;
   try {
     ptr = allocator_.Malloc(nbytes, 0, allocator_.backend().default_stream(0));
@@ -24,11 +24,9 @@ c10::DataPtr SimCpuAllocator::allocate(size_t nbytes) SPILLWAY_ALLOCATE_CONST {
   return {ptr, ptr, &Delete, c10::Device(c10::DeviceType::CPU)};
 }
 
-#if SPILLWAY_HAS_COPY_DATA
 void SimCpuAllocator::copy_data(void* dest, const void* src, std::size_t count) const {
   std::memcpy(dest, src, count);  // simulated device memory is host memory
 }
-#endif
 
 void SimCpuAllocator::Delete(void* ptr) {
   if (ptr == nullptr) return;

@@ -6,7 +6,6 @@
 #include <c10/core/Allocator.h>
 
 #include "allocator/caching_allocator.h"
-#include "hooks/torch_compat.h"
 
 namespace spillway::torch_layer {
 
@@ -14,11 +13,9 @@ class SimCpuAllocator final : public c10::Allocator {
  public:
   explicit SimCpuAllocator(CachingAllocator& allocator) : allocator_(allocator) {}
 
-  c10::DataPtr allocate(size_t nbytes) SPILLWAY_ALLOCATE_CONST override;
+  c10::DataPtr allocate(size_t nbytes) override;
   c10::DeleterFnPtr raw_deleter() const override { return &Delete; }
-#if SPILLWAY_HAS_COPY_DATA
   void copy_data(void* dest, const void* src, std::size_t count) const override;
-#endif
 
   // Installs `allocator` as PyTorch's CPU allocator (process lifetime).
   static void Install(CachingAllocator& allocator);

@@ -94,7 +94,7 @@ py::list KeepersOf(const at::Tensor& tensor, const std::optional<EntryInfo>& ent
   // holders when on this very storage, not when on a second storage over its memory).
   for (const KeptSave& save : kept) out.append(KeptSaveDict(save));
   const int64_t ours = entry ? 1 : 0;  // the engine's binding
-  const int64_t external = static_cast<int64_t>(tensor.storage().use_count()) - ours -
+  const int64_t external = Holders(tensor.storage().unsafeGetStorageImpl()) - ours -
                            KeptOn(tensor.storage().unsafeGetStorageImpl(), kept);
   if (external > 0) {
     py::dict d;
@@ -170,7 +170,7 @@ py::dict Release(const at::Tensor& tensor, bool force) {
   py::list keepers = KeepersOf(tensor, entry, kept);
   const int64_t ours = entry ? 1 : 0;
   // The tensor passed in is one holder; the caller asks about the others.
-  const int64_t other_holders = static_cast<int64_t>(storage.use_count()) - ours - 1;
+  const int64_t other_holders = Holders(storage.unsafeGetStorageImpl()) - ours - 1;
   const size_t freed = storage.data_ptr().get() != nullptr ? storage.nbytes() : 0;
   c10::StorageImpl* impl = storage.unsafeGetStorageImpl();
   // Forced past saved views: backward must fail at their unpack rather than read freed memory,

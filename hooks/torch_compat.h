@@ -1,21 +1,16 @@
-// Every difference between the torch versions Spillway builds against (1.13 here, 2.4–2.11 for
-// users) lives in this one header, as small macros.
+// Every difference between the torch releases Spillway builds against (2.4–2.15; the suites run
+// on 2.13) lives in this one header, as small macros.
 #pragma once
 
 #include <torch/version.h>
 
+#if !(TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
+#error "Spillway supports torch 2.4 and newer"
+#endif
+
 #define SPILLWAY_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||           \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
-
-// torch 2.3 made c10::Allocator::allocate non-const and added the pure virtual copy_data.
-#if SPILLWAY_TORCH_AT_LEAST(2, 3)
-#define SPILLWAY_ALLOCATE_CONST
-#define SPILLWAY_HAS_COPY_DATA 1
-#else
-#define SPILLWAY_ALLOCATE_CONST const
-#define SPILLWAY_HAS_COPY_DATA 0
-#endif
 
 // The c10 CUDA allocator adapter (hooks/cuda_allocator.cc), torch 2.4 and newer. Built and run
 // against torch 2.11.0+cu130 on an H200 (2026-11-29). Compiled (syntax only) against Debian's
@@ -38,3 +33,7 @@
 #define SPILLWAY_MAKE_TRACE_ENTRY(action, device, addr, size, stream, mempool, context) \
   c10::cuda::CUDACachingAllocator::TraceEntry(action, device, addr, size, stream, 0, context)
 #endif
+
+// A storage's Python object holds a strong reference to it whenever another one exists, from
+// torch 2.10 (PR #167564, "Rework PyObject preservation (v2)"); hooks/torch_storage.h Holders.
+#define SPILLWAY_TORCH_STORAGE_PYOBJECT_HOLDS SPILLWAY_TORCH_AT_LEAST(2, 10)

@@ -1,11 +1,13 @@
 #include "hooks/torch_storage.h"
 
+#include <Python.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
 #include "allocator/errors.h"
 #include "hooks/runtime.h"
 #include "hooks/sim_cpu_allocator.h"
+#include "hooks/torch_compat.h"
 
 namespace spillway::torch_layer {
 
@@ -16,6 +18,19 @@ bool MadeBySpillway(const c10::Storage& storage) {
   // PyTorch's own allocator, have one too).
   if (Runtime::Get().mode() == Mode::kSim) return SimCpuAllocator::Owns(impl->data_ptr());
   return Runtime::Get().allocator().Lookup(impl->data_ptr().get()).has_value();
+}
+
+int64_t Holders(const c10::StorageImpl* impl) {
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): a read-only count
+  auto* target = const_cast<c10::StorageImpl*>(impl);
+  const auto count = static_cast<int64_t>(c10::raw::intrusive_ptr::use_count(target));
+#if SPILLWAY_TORCH_STORAGE_PYOBJECT_HOLDS
+  // The object holds its reference only while another one exists (count >= 2); at a refcount of
+  // 1 the storage's own reference to the object is the only one.
+  PyObject* object = impl->pyobj_slot()->load_pyobj();
+  if (object != nullptr && count >= 2 && Py_REFCNT(object) == 1) return count - 1;
+#endif
+  return count;
 }
 
 void TorchStorage::drop_device_memory() {

@@ -12,6 +12,19 @@ namespace spillway::torch_layer {
 // no allocator, and dropping its memory frees nothing but its hold on the first.
 bool MadeBySpillway(const c10::Storage& storage);
 
+// The strong references to `impl` that are holders: its use count, less the reference of its
+// Python storage object while nothing in Python refers to that object. From torch 2.10 on
+// (PR #167564) a storage's Python object, once made (`t.untyped_storage()`, FSDP2, torchtune's
+// probes, safetensors), holds a strong reference for as long as any other reference exists, and
+// the storage keeps the object alive in turn: that reference keeps nothing alive that the others
+// do not, and counted, it would make every such storage look held forever (never spilled). While
+// Python code holds the object (`s = t.untyped_storage()`), the object is a holder and counts.
+// Before 2.10 an object nothing in Python refers to holds no reference (ownership flips to the
+// storage), so the use count is the holders. Reads the object's refcount without the GIL: the
+// object is alive while the storage's count is 2 or more (the storage holds it), and the count
+// is read as a hint, as use_count() is.
+int64_t Holders(const c10::StorageImpl* impl);
+
 class TorchStorage final : public Storage {
  public:
   TorchStorage(c10::Storage storage, int device) : storage_(std::move(storage)), device_(device) {}
@@ -21,7 +34,7 @@ class TorchStorage final : public Storage {
   int device() const override { return device_; }
   // Every TensorImpl on this storage holds one reference; this binding holds one more.
   int64_t external_holders() const override {
-    return static_cast<int64_t>(storage_.use_count()) - 1;
+    return Holders(storage_.unsafeGetStorageImpl()) - 1;
   }
   void drop_device_memory() override;
   void* allocate_device_memory(StreamRef stream) override;

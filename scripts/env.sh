@@ -8,7 +8,7 @@ if _spillway_py=$(spillway_python); then
   ln -sf "$_spillway_py" "$_spillway_root/build/bin/python3"
   case ":$PATH:" in *":$_spillway_root/build/bin:"*) ;; *) export PATH="$_spillway_root/build/bin:$PATH" ;; esac
 else
-  echo "spillway: no Python with torch found (apt-get install python3-torch)" >&2
+  echo "spillway: no Python with torch found (run scripts/setup)" >&2
 fi
 export PYTHONUSERBASE="$_spillway_root/build/python-site"
 export PYTHONPATH="$_spillway_root/build/python${PYTHONPATH:+:$PYTHONPATH}"

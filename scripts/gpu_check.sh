@@ -77,6 +77,50 @@ if [ -d "$deps" ]; then
   prefix_path="$deps/lib/x86_64-linux-gnu/cmake;$deps/lib/cmake;$deps"
   export LD_LIBRARY_PATH="$deps/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
+# Python packages at requirements.txt's pins, from build-deps/wheels alone (gpu_deps wrote the
+# lists there). Into $py's own environment: the machine is new every lease, and its python3 is a
+# venv holding torch, so a --system-site-packages venv made from it would not see torch. A system
+# python3 that refuses (PEP 668) gets --break-system-packages. torch stays: no torch, triton or
+# nvidia-* wheel is there, what needs torch comes --no-deps (nodeps.txt), and it is checked after.
+wheels=$root/build-deps/wheels
+if [ -f "$wheels/requirements.txt" ]; then
+  pip_wheels() {  # pip_wheels PIP-INSTALL-ARGS...
+    local args=(install --no-index --find-links "$wheels" --quiet --no-compile
+      --disable-pip-version-check "$@") log rc
+    log=$("$py" -m pip "${args[@]}" 2>&1)
+    rc=$?
+    printf '%s\n' "$log"  # on success too: pip's warnings of conflicts with what was there
+    [ $rc = 0 ] && return 0
+    case $log in *externally-managed-environment*) ;; *) return 1 ;; esac
+    echo "retrying with --break-system-packages"
+    "$py" -m pip "${args[@]}" --break-system-packages
+  }
+  export -f pip_wheels
+  export wheels py
+  torch_was=$("$py" -c 'import torch; print(torch.__version__)' 2>&1 | tail -1)
+  run_step wheels 120 bash -c 'pip_wheels -r "$wheels/requirements.txt" &&
+    pip_wheels --no-deps -r "$wheels/nodeps.txt"'
+  rc=$?
+  torch_now=$("$py" -c 'import torch; print(torch.__version__)' 2>&1 | tail -1)
+  versions=$("$py" -c 'import importlib.metadata as m, sys
+def v(name):
+    try:
+        return m.version(name)
+    except m.PackageNotFoundError:
+        return "-"
+print(", ".join(n + " " + v(n) for n in sys.argv[1:]))' transformers accelerate pytest pybind11 \
+    numpy trl 2>&1 | tail -1)
+  if [ "$torch_now" != "$torch_was" ]; then
+    record "python wheels (build-deps)" FAIL "torch changed: $torch_was -> $torch_now"
+  elif [ $rc = 0 ]; then
+    record "python wheels (build-deps)" PASS "$versions"
+  else
+    last=$(tail -3 "$out/wheels.log" | tr '\n' ' ' | cut -c1-150)
+    record "python wheels (build-deps)" "$(verdict $rc)" "now $versions; wheels.log ends: $last"
+  fi
+else
+  record "python wheels (build-deps)" INFO "no build-deps/wheels: the machine's own packages"
+fi
 if ! "$py" -c 'import pytest' 2>/dev/null && [ -d "$deps/lib/python3/dist-packages" ]; then
   export PYTHONPATH="$deps/lib/python3/dist-packages${PYTHONPATH:+:$PYTHONPATH}"
 fi

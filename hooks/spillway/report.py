@@ -286,7 +286,7 @@ def main(argv=None):
         print(f"timeline: {plot(snaps, labels, args.output, args.device)}")
     except ImportError as error:
         print(f"{parser.prog}: error: cannot plot the timeline: {error.name or 'matplotlib'} is "
-              "not installed (pip install matplotlib, or apt-get install python3-matplotlib)",
+              "not installed (pip install matplotlib)",
               file=sys.stderr)
         return 2
     except OSError as error:

@@ -1,0 +1,158 @@
+"""Storages that Python code has touched (torch 2.10 and later): a storage's Python object, once
+made, holds a strong reference to the storage for as long as anything else does. That reference
+is no holder while nothing in Python refers to the object; it is one while Python code holds it.
+torch >= 2.10 behaviour; on 2.4-2.9 the same tests pass because the object holds nothing then."""
+
+import gc
+
+import pytest
+import torch
+
+import spillway
+from conftest import assert_bitwise_equal, grads_of, stat
+
+MIB = 1 << 20
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh(),
+                               torch.nn.Linear(512, 512), torch.nn.Tanh())
+
+
+def _x():
+    return torch.randn(1024, 512)  # 2 MiB activations: past the default min_bytes
+
+
+def _step(touch, policy):
+    """One forward and backward of _model() under `policy`, where `touch(h)` runs on every
+    activation in forward (and nothing keeps them past it); (gradients, bytes spilled)."""
+    model = _model()
+    x = _x()
+    before = stat("spillway.bytes_to_host")
+    with spillway.offload(policy):
+        h = x
+        for layer in model:
+            h = layer(h)
+            touch(h)
+        loss = h.square().mean()
+    del h
+    spillway.synchronize()
+    spilled = stat("spillway.bytes_to_host") - before
+    loss.backward()
+    return grads_of(model), spilled
+
+
+def _nothing(h):
+    pass
+
+
+def test_a_storage_object_made_and_dropped_in_forward_does_not_keep_its_storage_on_the_device():
+    """Measured on torch 2.14.1 before the fix: 0 bytes to the host after h.untyped_storage()."""
+    reference, _ = _step(_nothing, "off")
+    plain, plain_spilled = _step(_nothing, "eager")
+    grads, spilled = _step(lambda h: h.untyped_storage(), "eager")
+    assert plain_spilled >= 2 * MIB  # the first tanh's output (x and the last are held)
+    assert spilled == plain_spilled
+    assert_bitwise_equal(grads, reference)
+    assert_bitwise_equal(plain, reference)
+
+
+def test_torchtunes_use_count_probe_in_forward_leaves_the_storage_spillable():
+    """torchtune's activation offloading asks torch._C._storage_Use_Count of each storage."""
+    counts = []
+
+    def probe(h):
+        counts.append(torch._C._storage_Use_Count(h.untyped_storage()._cdata))
+
+    reference, _ = _step(_nothing, "off")
+    grads, spilled = _step(probe, "eager")
+    assert len(counts) == 4 and spilled >= 2 * MIB
+    assert_bitwise_equal(grads, reference)
+
+
+def test_a_storage_object_python_still_holds_is_a_holder():
+    """While `s = t.untyped_storage()` lives, Python may read or write the storage through it:
+    not spilled, and keepers() counts it among the external holders."""
+    model = _model()
+    x = _x()
+    with spillway.offload("eager"):
+        h = model[1](model[0](x))
+        kept_storage = h.untyped_storage()
+        loss = model[3](model[2](h)).square().mean()
+    spillway.synchronize()
+    assert spillway.residency(h) == "resident"
+    external = [k for k in spillway.keepers(h) if k["kind"] == "external"]
+    assert external == [{"kind": "external", "count": 2}]  # h and kept_storage
+    del h
+    gc.collect()
+    assert kept_storage.nbytes() == 1024 * 512 * 4  # never dropped under Python's hands
+    loss.backward()
+
+
+def test_dropping_the_last_python_reference_makes_the_storage_spillable_again():
+    """The same storage, its object held and then let go: the next forward's saves spill."""
+    x = _x()
+    w = torch.randn(512, 512, requires_grad=True)
+    with spillway.offload("eager"):
+        h = torch.tanh(x @ w)
+        s = h.untyped_storage()
+        loss = (h @ w).square().mean()
+    spillway.synchronize()
+    assert spillway.residency(h) == "resident"
+    del s
+    gc.collect()
+    external = [k for k in spillway.keepers(h) if k["kind"] == "external"]
+    assert external == [{"kind": "external", "count": 1}]  # h alone
+    del h
+    loss.backward()
+
+
+def test_fsdp2s_resize_to_zero_after_forward_and_regather_before_backward():
+    """FSDP2 frees an unsharded parameter with untyped_storage().resize_(0) after forward and
+    gathers it again (resize_, copy) before backward: the activations around it still spill, the
+    parameter is never spilled, and the gradients are bitwise those of a run without offload."""
+
+    def run(policy):
+        torch.manual_seed(0)
+        shard = torch.randn(512, 512)
+        weight = torch.nn.Parameter(torch.empty(512, 512))
+        weight.data.copy_(shard)  # "all-gather"
+        x = _x()
+        before = stat("spillway.bytes_to_host")
+        with spillway.offload(policy):
+            h = torch.tanh(x @ weight)
+            loss = torch.tanh(h @ weight).square().mean()
+        del h
+        nbytes = weight.untyped_storage().nbytes()
+        weight.untyped_storage().resize_(0)  # reshard after forward
+        spillway.synchronize()
+        spilled = stat("spillway.bytes_to_host") - before
+        assert spillway.residency(weight) in (None, "resident")  # a parameter: never spilled
+        weight.untyped_storage().resize_(nbytes)  # unshard before backward
+        weight.data.copy_(shard)
+        loss.backward()
+        return [weight.grad.clone()], spilled
+
+    reference, _ = run("off")
+    grads, spilled = run("eager")
+    assert spilled >= 2 * MIB  # the second tanh's output (x and h are held in forward)
+    assert_bitwise_equal(grads, reference)
+
+
+@pytest.mark.parametrize("touch", ["untyped_storage", "none"])
+def test_snapshot_holder_counts_are_exact_after_a_storage_object_was_made(touch):
+    """A storage kept only by saves shows 0 external holders in snapshots, whether or not its
+    Python storage object was ever made (torch 2.11 showed 1 after t.untyped_storage())."""
+    w = torch.randn(64, requires_grad=True)
+    t = torch.randn(64)
+    with spillway.offload("off", min_bytes=0):
+        loss = (w * t).sum()
+    address = t.untyped_storage().data_ptr() if touch == "untyped_storage" else t.data_ptr()
+    del t
+    gc.collect()
+    entry = [e for e in spillway.snapshot()["spillway"]["entries"] if e["address"] == address]
+    assert entry and entry[0]["external_holders"] == 0
+    block = spillway.snapshot()["spillway"]["blocks"][address]
+    assert block["external_holders"] == 0
+    loss.backward()
