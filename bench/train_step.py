@@ -75,7 +75,6 @@ def main():
     if args.limit_mb is not None and args.device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, (args.limit_mb << 20) / total))
-    offload = None
     if args.config in ("eager", "auto"):
         def offload():
             return spillway.offload(
@@ -84,6 +83,8 @@ def main():
     elif args.config == "save_on_cpu":
         def offload():
             return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    else:
+        offload = None
 
     def stats():
         if uses_spillway:
