@@ -33,9 +33,7 @@ class TorchStorage final : public Storage {
   size_t nbytes() const override { return storage_.nbytes(); }
   int device() const override { return device_; }
   // Every TensorImpl on this storage holds one reference; this binding holds one more.
-  int64_t external_holders() const override {
-    return Holders(storage_.unsafeGetStorageImpl()) - 1;
-  }
+  int64_t external_holders() const override { return Holders(storage_.unsafeGetStorageImpl()) - 1; }
   void drop_device_memory() override;
   void* allocate_device_memory(StreamRef stream) override;
 
