@@ -21,6 +21,7 @@ std::shared_ptr<Backend> MakeBackend(const Config& config) {
     SimBackend::Options options;
     options.devices = config.sim_devices;
     options.capacity_bytes = config.sim_capacity_bytes;
+    options.max_jitter = config.sim_max_jitter;
     return std::make_shared<SimBackend>(options);
   }
 #if defined(SPILLWAY_HAVE_CUDA)

@@ -350,6 +350,8 @@ absl::Status Assign(absl::StatusOr<T> parsed, Field& field) {
 constexpr IntegerRule kMaxSplitSizeRule{20, kSizeMax, kMiB, "an integer >= 20 (MiB)"};
 constexpr IntegerRule kCapacityRule{1, kSizeMax, kMiB, "a positive integer (MiB)"};
 constexpr IntegerRule kSimDevicesRule{1, 16, 1, "an integer from 1 to 16"};
+constexpr IntegerRule kSimJitterRule{0, 1'000'000, 1,
+                                     "an integer from 0 to 1000000 (microseconds)"};
 constexpr IntegerRule kMemoryLimitRule{0, kSizeMax, kMiB,
                                        "a non-negative integer (MiB; 0 = no limit)"};
 constexpr IntegerRule kHistoryRule{1, 10'000'000, 1, "an integer from 1 to 10000000"};
@@ -404,6 +406,13 @@ absl::Status SetCapacity(std::string_view key, std::string_view value, Config& c
 
 absl::Status SetSimDevices(std::string_view key, std::string_view value, Config& config) {
   return Assign(ParseInteger(key, value, kSimDevicesRule), config.sim_devices);
+}
+
+absl::Status SetSimJitter(std::string_view key, std::string_view value, Config& config) {
+  const absl::StatusOr<size_t> us = ParseInteger(key, value, kSimJitterRule);
+  if (!us.ok()) return us.status();
+  config.sim_max_jitter = std::chrono::microseconds(*us);
+  return absl::OkStatus();
 }
 
 absl::Status SetMemoryLimit(std::string_view key, std::string_view value, Config& config) {
@@ -461,6 +470,7 @@ constexpr KeySpec kSpillwaySpecs[] = {
     {"device", SetDevice},
     {"capacity_mb", SetCapacity},
     {"sim_devices", SetSimDevices},
+    {"sim_jitter_us", SetSimJitter},
     {"memory_limit_mb", SetMemoryLimit},
     {"history_entries", SetHistoryEntries},
     {"offload", SetOffload},

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -79,6 +80,10 @@ struct Config {
   // Simulated device only: capacity of each simulated device, and how many there are.
   size_t sim_capacity_bytes = size_t{1} << 30;
   int sim_devices = 1;
+  // Simulated device only: each operation enqueued on a simulated stream first sleeps a random
+  // 0..sim_max_jitter, so that copies finish late and in other orders than the host expects (a
+  // loaded machine's timing, on demand). 0: none.
+  std::chrono::microseconds sim_max_jitter{0};
   // True when the string contained `backend:spillway`.
   bool backend_spillway = false;
 

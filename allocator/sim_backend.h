@@ -94,6 +94,7 @@ class SimBackend : public Backend {
   SimBackend& operator=(const SimBackend&) = delete;
 
   std::string_view name() const override { return "sim"; }
+  const Options& options() const { return options_; }
   bool accesses_follow_streams() const override { return options_.accesses_follow_streams; }
   int device_count() const override { return options_.devices; }
   MemInfo mem_info(int device) override;

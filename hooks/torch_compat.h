@@ -4,13 +4,13 @@
 
 #include <torch/version.h>
 
-#if !(TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
-#error "Spillway supports torch 2.4 and newer"
-#endif
-
 #define SPILLWAY_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||           \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+#if !SPILLWAY_TORCH_AT_LEAST(2, 4)
+#error "Spillway supports torch 2.4 and newer"
+#endif
 
 // The c10 CUDA allocator adapter (hooks/cuda_allocator.cc), torch 2.4 and newer. Built and run
 // against torch 2.11.0+cu130 on an H200 (2026-11-29). Compiled (syntax only) against Debian's

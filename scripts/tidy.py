@@ -67,7 +67,7 @@ def cache_key(entry, root, tidy_version, config):
     return digest.hexdigest()
 
 
-def findings_of(output, root):
+def findings_of(output):
     """Our own code's warnings and errors: system headers and the compiler's note on an LTO flag
     it ignores are not findings."""
     lines = set()
@@ -138,7 +138,7 @@ def main(argv):
             if result.returncode < 0:  # killed by a signal: unchecked, not clean
                 unfinished.append(path)
                 continue
-            lines = findings_of(result.stdout + result.stderr, root)
+            lines = findings_of(result.stdout + result.stderr)
             if lines:
                 found.extend(lines)
             elif keys[path] is not None:

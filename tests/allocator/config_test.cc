@@ -4,16 +4,20 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "allocator/backend_factory.h"
+#include "allocator/sim_backend.h"
 
 namespace spillway {
 namespace {
@@ -206,13 +210,15 @@ TEST(ConfigTest, FractionsUpToOneRejectOutOfRange) {
 
 TEST(ConfigTest, EverySpillwayKeyHappyPath) {
   const Config config = ParseOk(
-      "backend:spillway,device:sim,capacity_mb:2048,sim_devices:16,memory_limit_mb:512,"
-      "history_entries:10000000,offload:eager,offload_budget_mb:300,offload_budget_fraction:0.5,"
+      "backend:spillway,device:sim,capacity_mb:2048,sim_devices:16,sim_jitter_us:250,"
+      "memory_limit_mb:512,history_entries:10000000,offload:eager,offload_budget_mb:300,offload_"
+      "budget_fraction:0.5,"
       "offload_min_kb:64,prefetch_mb:0,host_limit_mb:4096");
   EXPECT_TRUE(config.backend_spillway);
   EXPECT_EQ(config.device, DeviceKind::kSim);
   EXPECT_EQ(config.sim_capacity_bytes, 2048 * kMiB);
   EXPECT_EQ(config.sim_devices, 16);
+  EXPECT_EQ(config.sim_max_jitter, std::chrono::microseconds(250));
   EXPECT_EQ(config.allocator.memory_limit_bytes, 512 * kMiB);
   EXPECT_EQ(config.allocator.history_entries, 10000000u);
   EXPECT_EQ(config.offload.policy, OffloadPolicy::kEager);
@@ -230,6 +236,8 @@ TEST(ConfigTest, EverySpillwayKeyHappyPath) {
 TEST(ConfigTest, IntegerRanges) {
   ExpectRejected("sim_devices:0", {"'sim_devices'", "from 1 to 16"});
   ExpectRejected("sim_devices:17", {"'sim_devices'", "from 1 to 16"});
+  ExpectRejected("sim_jitter_us:-1", {"'sim_jitter_us'", "from 0 to 1000000"});
+  ExpectRejected("sim_jitter_us:1000001", {"'sim_jitter_us'", "from 0 to 1000000"});
   ExpectRejected("history_entries:0", {"'history_entries'", "from 1 to 10000000"});
   ExpectRejected("history_entries:10000001", {"from 1 to 10000000"});
   ExpectRejected("capacity_mb:0", {"'capacity_mb'", "positive integer (MiB)"});
@@ -272,7 +280,7 @@ TEST(ConfigTest, KeyListsAreDisjointAndComplete) {
   EXPECT_EQ(PytorchKeys(), (std::vector<std::string_view>{
                                "max_split_size_mb", "roundup_power2_divisions",
                                "garbage_collection_threshold", "per_process_memory_fraction"}));
-  EXPECT_EQ(SpillwayKeys().size(), 12u);
+  EXPECT_EQ(SpillwayKeys().size(), 13u);
   EXPECT_EQ(SpillwayKeys().front(), "backend");
   for (std::string_view key : SpillwayKeys()) {
     EXPECT_EQ(std::find(PytorchKeys().begin(), PytorchKeys().end(), key), PytorchKeys().end())
@@ -537,6 +545,16 @@ TEST(OffloadPolicyNameTest, NamesMatchConfigValues) {
     EXPECT_EQ(ParseOk("offload:" + name).offload.policy, policy) << name;
   }
   EXPECT_EQ(OffloadPolicyName(OffloadPolicy::kEager), "eager");
+}
+
+TEST(ConfigTest, TheSimulatedDeviceTakesItsSettings) {
+  const std::shared_ptr<Backend> backend =
+      MakeBackend(ParseOk("device:sim,capacity_mb:64,sim_devices:2,sim_jitter_us:250"));
+  const auto* sim = dynamic_cast<const SimBackend*>(backend.get());
+  ASSERT_NE(sim, nullptr);
+  EXPECT_EQ(sim->options().capacity_bytes, 64 * kMiB);
+  EXPECT_EQ(sim->options().devices, 2);
+  EXPECT_EQ(sim->options().max_jitter, std::chrono::microseconds(250));
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
 """Storages that Python code has touched (torch 2.10 and later): a storage's Python object, once
 made, holds a strong reference to the storage for as long as anything else does. That reference
 is no holder while nothing in Python refers to the object; it is one while Python code holds it.
-torch >= 2.10 behaviour; on 2.4-2.9 the same tests pass because the object holds nothing then."""
+torch >= 2.10 behaviour; on 2.4-2.9 the same tests pass because the object holds nothing then.
+FSDP2's resize_(0)-after-forward pattern, whose resizes make such objects of the gathered
+parameters, is test_distributed.py's test_fsdp_free_and_refill_of_gathered_parameters."""
 
 import gc
 
@@ -106,38 +108,6 @@ def test_dropping_the_last_python_reference_makes_the_storage_spillable_again():
     assert external == [{"kind": "external", "count": 1}]  # h alone
     del h
     loss.backward()
-
-
-def test_fsdp2s_resize_to_zero_after_forward_and_regather_before_backward():
-    """FSDP2 frees an unsharded parameter with untyped_storage().resize_(0) after forward and
-    gathers it again (resize_, copy) before backward: the activations around it still spill, the
-    parameter is never spilled, and the gradients are bitwise those of a run without offload."""
-
-    def run(policy):
-        torch.manual_seed(0)
-        shard = torch.randn(512, 512)
-        weight = torch.nn.Parameter(torch.empty(512, 512))
-        weight.data.copy_(shard)  # "all-gather"
-        x = _x()
-        before = stat("spillway.bytes_to_host")
-        with spillway.offload(policy):
-            h = torch.tanh(x @ weight)
-            loss = torch.tanh(h @ weight).square().mean()
-        del h
-        nbytes = weight.untyped_storage().nbytes()
-        weight.untyped_storage().resize_(0)  # reshard after forward
-        spillway.synchronize()
-        spilled = stat("spillway.bytes_to_host") - before
-        assert spillway.residency(weight) in (None, "resident")  # a parameter: never spilled
-        weight.untyped_storage().resize_(nbytes)  # unshard before backward
-        weight.data.copy_(shard)
-        loss.backward()
-        return [weight.grad.clone()], spilled
-
-    reference, _ = run("off")
-    grads, spilled = run("eager")
-    assert spilled >= 2 * MIB  # the second tanh's output (x and h are held in forward)
-    assert_bitwise_equal(grads, reference)
 
 
 @pytest.mark.parametrize("touch", ["untyped_storage", "none"])
