@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -63,8 +64,13 @@ struct OffloadConfig {
   double budget_fraction = 0.8;
   // Entries smaller than this are never spilled.
   size_t min_bytes = size_t{1} << 20;
-  // How many bytes to reload ahead of use during backward, per device.
-  size_t prefetch_bytes = size_t{256} << 20;
+  // How many bytes backward reloads ahead of use, per device, and (`auto`) how many of the newest
+  // saves it keeps resident. Unset (the default): adaptive. Backward then reloads one save ahead,
+  // goes deeper each time a save it reloaded ahead is still copying when read (its latency was not
+  // hidden) and shallower as reads find theirs ready, and never takes allocated bytes past the
+  // highest they reached while saving (forward's peak), except for the one save ahead; `auto`
+  // keeps no save resident for it. Set, a fixed window (0: no prefetch).
+  std::optional<size_t> prefetch_bytes;
   // Upper bound on pinned host bytes the engine may hold. 0 = no limit.
   size_t host_limit_bytes = 0;
 

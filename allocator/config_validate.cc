@@ -88,7 +88,7 @@ absl::Status ValidateOffloadConfig(const OffloadConfig& config) {
   const std::pair<std::string_view, size_t> byte_counts[] = {
       {"budget_bytes", config.budget_bytes},
       {"min_bytes", config.min_bytes},
-      {"prefetch_bytes", config.prefetch_bytes},
+      {"prefetch_bytes", config.prefetch_bytes.value_or(0)},
       {"host_limit_bytes", config.host_limit_bytes},
   };
   for (const auto& [field, bytes] : byte_counts) {

@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <optional>
 #include <string>
 
 #include "allocator/config.h"
@@ -40,7 +41,7 @@ py::dict MemoryStats(int device) {
 }
 
 void ConfigureOffload(const std::string& policy, int64_t budget_bytes, double budget_fraction,
-                      int64_t min_bytes, int64_t prefetch_bytes) {
+                      int64_t min_bytes, std::optional<int64_t> prefetch_bytes) {
   tl::Runtime& runtime = tl::Runtime::Get();
   sw::OffloadConfig config = runtime.engine().config();
   config.policy = ParsePolicy(policy);
@@ -54,8 +55,15 @@ void ConfigureOffload(const std::string& policy, int64_t budget_bytes, double bu
   config.budget_bytes = non_negative("budget_bytes", budget_bytes);
   config.budget_fraction = budget_fraction;
   config.min_bytes = non_negative("min_bytes", min_bytes);
-  config.prefetch_bytes = non_negative("prefetch_bytes", prefetch_bytes);
+  // None: adaptive (see OffloadConfig::prefetch_bytes).
+  config.prefetch_bytes.reset();
+  if (prefetch_bytes) config.prefetch_bytes = non_negative("prefetch_bytes", *prefetch_bytes);
   runtime.engine().SetConfig(config);
+}
+
+// An unset byte count (adaptive) is None in Python.
+py::object OptionalBytes(const std::optional<size_t>& bytes) {
+  return bytes ? py::int_(*bytes) : py::object(py::none());
 }
 
 py::dict OffloadConfigDict(const sw::OffloadConfig& c) {
@@ -64,7 +72,7 @@ py::dict OffloadConfigDict(const sw::OffloadConfig& c) {
   d["budget_bytes"] = c.budget_bytes;
   d["budget_fraction"] = c.budget_fraction;
   d["min_bytes"] = c.min_bytes;
-  d["prefetch_bytes"] = c.prefetch_bytes;
+  d["prefetch_bytes"] = OptionalBytes(c.prefetch_bytes);
   return d;
 }
 
@@ -135,7 +143,7 @@ PYBIND11_MODULE(_C, m) {
     d["budget_bytes"] = a->offload.budget_bytes;
     d["budget_fraction"] = a->offload.budget_fraction;
     d["min_bytes"] = a->offload.min_bytes;
-    d["prefetch_bytes"] = a->offload.prefetch_bytes;
+    d["prefetch_bytes"] = OptionalBytes(a->offload.prefetch_bytes);
     return d;
   });
   m.def("budget_bytes",

@@ -1,7 +1,9 @@
 #include "offload/engine.h"
 
 #include <algorithm>
+#include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_format.h"
 #include "allocator/errors.h"
@@ -14,6 +16,23 @@
 namespace spillway {
 
 thread_local int engine_depth = 0;
+
+namespace {
+thread_local std::vector<std::shared_ptr<Storage>> deferred_releases;
+}  // namespace
+
+void DeferRelease(std::shared_ptr<Storage> storage) {
+  deferred_releases.push_back(std::move(storage));
+}
+
+void ReleaseDeferred() noexcept {
+  // A release may defer more (its code came back to the engine): until none is left.
+  while (!deferred_releases.empty()) {
+    std::vector<std::shared_ptr<Storage>> now;
+    now.swap(deferred_releases);
+    now.clear();
+  }
+}
 
 bool OffloadEngine::InsideEngineOnThisThread() { return engine_depth > 0; }
 
@@ -84,10 +103,17 @@ OffloadEngine::~OffloadEngine() {
     Synchronize();
   } catch (const std::exception&) {
   }
-  // Entries still alive give their host copies back before the pools go.
-  for (auto& [key, entry] : entries_) ReleaseHost(*entry, std::nullopt);
+  // Entries still alive give their host copies back before the pools go, and their storages
+  // once the lock is released (DeferRelease).
+  for (auto& [key, entry] : entries_) {
+    ReleaseHost(*entry, std::nullopt);
+    DeferRelease(std::move(entry->storage));
+  }
   for (auto& [key, set_aside] : detached_) {
-    for (auto& entry : set_aside) ReleaseHost(*entry, std::nullopt);
+    for (auto& entry : set_aside) {
+      ReleaseHost(*entry, std::nullopt);
+      DeferRelease(std::move(entry->storage));
+    }
   }
   entries_.clear();
   detached_.clear();
@@ -133,9 +159,8 @@ void OffloadEngine::Drop(Entry& e) {
   WindowRemove(e);
   // (Not listed in offloaded_ any more: each save's listing went with its last keeper.)
   --stats_.num_entries;
-  // Taken out of its map, which is left whole before `e` is destroyed (at the end of this scope,
-  // releasing the engine's hold on the storage): the storage's last release can run code that
-  // comes back to the engine (a Python finalizer saving or dropping a tensor).
+  // Taken out of its map, which is left whole before `e` is destroyed (at the end of this scope).
+  // The engine's hold on the storage goes once no engine lock is held (DeferRelease).
   std::unique_ptr<Entry> gone;
   const void* const key = e.key;
   if (const auto current = entries_.find(key);
@@ -151,6 +176,7 @@ void OffloadEngine::Drop(Entry& e) {
     aside.erase(it);
     if (aside.empty()) detached_.erase(set_aside);
   }
+  DeferRelease(std::move(gone->storage));
 }
 
 void OffloadEngine::MarkReleased(const void* key, const std::string& why) {

@@ -302,11 +302,13 @@ class OffloadEngine {
     size_t released = 0;  // block bytes given back
   };
   void SpillInPass(Entry& e, SpillPass& pass);
-  // Part of the rescue: turns prefetches nobody acquired yet back into spilled entries (their
-  // host copies are still there), oldest first, until allocated bytes reach `target_allocated`.
+  // The rescue's first step, and `auto`'s under its budget: turns prefetches nobody acquired yet
+  // back into spilled entries (their host copies are still there), oldest first, until allocated
+  // bytes reach `target_allocated`.
   // Returns the bytes released.
   size_t GiveBackPrefetches(int device, size_t target_allocated);
-  // Spills oldest saves until `incoming_bytes` more fit under the budget (less a hysteresis).
+  // Gives back unused prefetches, then spills oldest saves, until `incoming_bytes` more fit under
+  // the budget (less a hysteresis).
   void SpillToBudget(int device, size_t incoming_bytes);
   size_t AllocatedBytes(int device) const;
   void UpdateWatermarks();
@@ -340,8 +342,9 @@ class OffloadEngine {
   absl::btree_map<uint64_t, Entry*> spill_candidates_;
   // Per device, the prefetch window that `auto` keeps resident: the newest entries of at least
   // the min_bytes in force at their save (storages too small to spill are resident anyway) whose
-  // bytes add up to at most prefetch_bytes. Every budget check needs it, so it follows the
-  // entries as they come and go rather than be summed again each time.
+  // bytes add up to at most a fixed prefetch_bytes (empty when prefetch is adaptive). Every budget
+  // check needs it, so it follows the entries as they come and go rather than be summed again each
+  // time.
   struct Window {
     static constexpr uint64_t kEmpty = std::numeric_limits<uint64_t>::max();
     absl::btree_map<uint64_t, Entry*> sized;  // the device's entries of at least min_bytes
@@ -353,6 +356,8 @@ class OffloadEngine {
   // Counts `e`'s bytes into (or, `spilled` false, out of) the spilled bytes, overall and of its
   // device.
   void CountSpilled(const Entry& e, bool spilled);
+  // The bytes of the window: the fixed prefetch_bytes, or none when prefetch is adaptive.
+  size_t WindowLimit() const;
   void WindowAdd(Entry& e);
   // Gives `e` the next seq (a save of it after others), in every map keyed by the entry's seq
   // (not offloaded_, whose listings are per save).

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <chrono>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -22,16 +23,31 @@ const OffloadConfig& CheckedOffloadConfig(const OffloadConfig& config);
 // Depth of EngineLocks the calling thread holds.
 extern thread_local int engine_depth;
 
-// The engine's lock, also marking the thread as inside the engine.
+// Storages whose hold the engine gave up while the calling thread held its lock (the entry that
+// kept them went): let go of when the thread's outermost EngineLock goes, with the lock released.
+// From torch 2.10 on, the last release of a storage that has a Python object takes the GIL and
+// may run Python (the object's dealloc); made under the lock, it would wait for the GIL while a
+// Python thread that holds the GIL waits for the engine: a deadlock. It may also come back to the
+// engine (a finalizer that saves or drops a tensor).
+void DeferRelease(std::shared_ptr<Storage> storage);
+// Lets go of what the calling thread deferred (and what that deferred in turn).
+void ReleaseDeferred() noexcept;
+
+// The engine's lock, also marking the thread as inside the engine. Lock order: the GIL (when the
+// caller holds it), then this, then an allocator's lock; nothing under this lock takes the GIL.
 class EngineLock {
  public:
   explicit EngineLock(std::recursive_mutex& mutex) : lock_(mutex) { ++engine_depth; }
-  ~EngineLock() { --engine_depth; }
+  ~EngineLock() {
+    --engine_depth;
+    lock_.unlock();
+    if (engine_depth == 0) ReleaseDeferred();
+  }
   EngineLock(const EngineLock&) = delete;
   EngineLock& operator=(const EngineLock&) = delete;
 
  private:
-  std::lock_guard<std::recursive_mutex> lock_;
+  std::unique_lock<std::recursive_mutex> lock_;
 };
 
 // Marks the engine as running a policy for the scope, so that allocations the policy makes (and
@@ -124,6 +140,9 @@ struct OffloadEngine::DeviceContext {
   std::vector<EventHandle> events;  // every event this context created (entries borrow them)
   std::vector<EventHandle> spare;   // not borrowed right now
   size_t prefetched_bytes = 0;      // reloaded ahead of use on this device, not yet acquired
+  // The most bytes allocated on this device at a save: forward's footprint, which an adaptive
+  // prefetch (OffloadConfig::prefetch_bytes unset) does not take backward's past.
+  size_t saving_high = 0;
 };
 
 }  // namespace spillway

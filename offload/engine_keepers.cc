@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -25,6 +26,10 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   Entry* const entry = EntryForSave(key, make_storage, producer, save);
   if (entry == nullptr) return std::nullopt;
   Entry& e = *entry;
+  // Forward's footprint, which adaptive prefetch keeps backward within (the saved bytes are still
+  // allocated now: a policy spills them only below).
+  DeviceContext& dc = Device(e.device);
+  dc.saving_high = std::max(dc.saving_high, AllocatedBytes(e.device));
   // Saved before, and other saves since: backward reads it first at this save. Auto's spill order
   // and window take it as new (it kept its first save's place, outside the window, and went
   // first); older keepers keep their seqs, so each backward prefetches from its own save.

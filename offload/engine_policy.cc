@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <limits>
+#include <optional>
 #include <string_view>
 #include <utility>
 
@@ -17,11 +18,17 @@ namespace spillway {
 
 void OffloadEngine::Prefetch(int device, uint64_t before_seq, StreamRef consumer) {
   // Under "off" too: saves spilled by an inner block come back ahead of use all the same.
-  if (config_.prefetch_bytes == 0) return;
+  const std::optional<size_t> window = config_.prefetch_bytes;
+  if (window == 0) return;
   // Per device: each has its own memory, budget and copy stream.
-  size_t& prefetched = Device(device).prefetched_bytes;
+  DeviceContext& dc = Device(device);
+  size_t& prefetched = dc.prefetched_bytes;
   uint64_t cursor = before_seq;  // newest first, from just below `before_seq`
-  while (prefetched < config_.prefetch_bytes) {
+  // A fixed window: up to its bytes. Adaptive: as deep as forward's footprint leaves room for
+  // (below). No timing decides it: on CUDA the host runs ahead of the device, so when backward
+  // asks for a save says nothing of when the device reads it, and depth only helps there (the
+  // copies wait for the consumer stream to reach the read that asked, then run back to back).
+  while (!window.has_value() || prefetched < *window) {
     auto it = offloaded_.lower_bound(cursor);
     if (it == offloaded_.begin()) break;
     --it;
@@ -37,7 +44,17 @@ void OffloadEngine::Prefetch(int device, uint64_t before_seq, StreamRef consumer
     // Never prefetch past the budget (under "eager" too: the configured fraction of the device
     // limit), so backward's own allocations keep their headroom: a prefetch is a guess, and
     // reloads that fill the device would make backward run out of memory, or spill them again.
-    if (AllocatedBytes(e.device) + e.nbytes > budget_bytes(e.device)) break;
+    const size_t after = AllocatedBytes(e.device) + e.nbytes;
+    const size_t budget = budget_bytes(e.device);
+    if (after > budget) break;
+    // Adaptive: the next save always (a read it overlaps with), the older ones while backward
+    // stays within the most that forward held (and the budget), less a sixteenth left to
+    // backward's own allocations, which land on top: prefetching does not raise the peak, nor
+    // fill `auto`'s budget only to be given back at backward's next allocation.
+    if (!window.has_value() && prefetched > 0) {
+      const size_t ceiling = std::min(budget, dc.saving_high);
+      if (after > ceiling - ceiling / 16) break;
+    }
     try {
       PolicyScope scope(in_policy_);
       // A guess: it takes free memory only, and a miss is no out-of-memory error (the ladder's
@@ -106,7 +123,12 @@ void OffloadEngine::SpillToBudget(int device, size_t incoming_bytes) {
   const size_t budget = budget_bytes(device);
   if (allocated + incoming_bytes <= budget) return;
   const size_t target = budget - budget / 16;
-  SpillOldest(device, target > incoming_bytes ? target - incoming_bytes : 0, false);
+  const size_t goal = target > incoming_bytes ? target - incoming_bytes : 0;
+  // Prefetches nobody read yet go first: their host copies are still there, so one costs no copy
+  // now (a reload later, if backward gets to it), where a spill costs one each way. Without this,
+  // backward's own allocations landed on top of the prefetches and passed the budget.
+  GiveBackPrefetches(device, goal);
+  if (AllocatedBytes(device) > goal) SpillOldest(device, goal, false);
 }
 
 void OffloadEngine::SpillInPass(Entry& e, SpillPass& pass) {
@@ -301,13 +323,19 @@ void OffloadEngine::SetConfig(const OffloadConfig& config) {
   UpdateWatermarks();
 }
 
+size_t OffloadEngine::WindowLimit() const {
+  // Adaptive prefetch keeps nothing resident for backward: `auto` spills down to its budget, and
+  // backward's first reads come back on demand (the reloads after them overlap).
+  return config_.prefetch_bytes.value_or(0);
+}
+
 void OffloadEngine::WindowAdd(Entry& e) {
   Window& w = windows_[static_cast<size_t>(e.device)];
   w.sized[e.seq] = &e;
   // The newest entry joins the window; the oldest leave while it holds too much.
   if (w.start == Window::kEmpty) w.start = e.seq;
   w.bytes += e.nbytes;
-  while (w.bytes > config_.prefetch_bytes) {
+  while (w.bytes > WindowLimit()) {
     auto oldest = w.sized.find(w.start);
     w.bytes -= oldest->second->nbytes;
     ++oldest;
@@ -338,7 +366,7 @@ void OffloadEngine::WindowExtend(Window& w) const {
     auto it = w.start == Window::kEmpty ? w.sized.end() : w.sized.find(w.start);
     if (it == w.sized.begin()) return;
     --it;
-    if (w.bytes + it->second->nbytes > config_.prefetch_bytes) return;
+    if (w.bytes + it->second->nbytes > WindowLimit()) return;
     w.bytes += it->second->nbytes;
     w.start = it->first;
   }

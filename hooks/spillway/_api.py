@@ -224,13 +224,14 @@ class offload(contextlib.ContextDecorator):
         never spill); default from the configuration (its `offload` key, "auto" unless set).
     budget_bytes: the "auto" budget; default: the configured fraction (80%) of the device limit.
         Held when enough can be spilled; what cannot be (parameters, gradients, unsaved tensors,
-        the newest prefetch_bytes of saves, reloads in use) can carry the peak past it.
+        a fixed prefetch_bytes of the newest saves, reloads in use) can carry the peak past it.
     min_bytes: storages smaller than this are never spilled; default from the configuration
         (`offload_min_kb`, 1 MiB).
     prefetch_bytes: how far ahead backward reloads, per device (whole saves: the next one even
-        when it alone is larger; 0: no prefetch); default from the configuration (256 MiB). A
-        prefetch is a guess: an allocation that would fail otherwise takes back the ones not used
-        yet.
+        when it alone is larger; 0: no prefetch); default from the configuration (`prefetch_mb`),
+        unset there: adaptive, the next save and then as deep as the most memory forward held
+        leaves room for, so that prefetching never raises the peak. A prefetch is a guess: an
+        allocation that would fail otherwise takes back the ones not used yet.
 
     Blocks nest: each saved tensor keeps the "off" and the min_bytes of the block it was saved in
     (one saved in an "off" block stays on the device), and when an inner block ends the enclosing

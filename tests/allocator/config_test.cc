@@ -69,7 +69,7 @@ void ExpectDefaults(const Config& config) {
   EXPECT_EQ(config.offload.budget_bytes, 0u);
   EXPECT_EQ(config.offload.budget_fraction, 0.8);
   EXPECT_EQ(config.offload.min_bytes, kMiB);
-  EXPECT_EQ(config.offload.prefetch_bytes, 256 * kMiB);
+  EXPECT_EQ(config.offload.prefetch_bytes, std::nullopt);  // adaptive
   EXPECT_EQ(config.offload.host_limit_bytes, 0u);
   EXPECT_EQ(config.device, DeviceKind::kCuda);
   EXPECT_EQ(config.sim_capacity_bytes, size_t{1} << 30);

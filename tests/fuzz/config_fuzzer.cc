@@ -58,7 +58,7 @@ void CheckRanges(const Config& c, std::string_view input) {
   FUZZ_CHECK(std::isfinite(o.budget_fraction));
   FUZZ_CHECK(o.budget_fraction > 0.0 && o.budget_fraction <= 1.0);
   FUZZ_CHECK(o.min_bytes % kKiB == 0);
-  FUZZ_CHECK(o.prefetch_bytes % kMiB == 0);
+  FUZZ_CHECK(o.prefetch_bytes.value_or(0) % kMiB == 0);
   FUZZ_CHECK(o.host_limit_bytes % kMiB == 0);
   // What the parser yields, the checks of configurations built in code accept.
   FUZZ_CHECK(ValidateAllocatorConfig(a).ok());

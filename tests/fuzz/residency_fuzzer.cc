@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -117,8 +118,9 @@ OffloadConfig ConsumeConfig(FuzzedDataProvider& in) {
   config.budget_bytes = (size_t{1} << in.ConsumeIntegralInRange<int>(1, 4)) * kMiB;  // 2..16 MiB
   const size_t min_bytes[] = {0, 4 * kKiB, 64 * kKiB, 512 * kKiB};
   config.min_bytes = min_bytes[in.ConsumeIntegralInRange<int>(0, 3)];
-  const size_t prefetch[] = {0, 512 * kKiB, 2 * kMiB, 8 * kMiB};
-  config.prefetch_bytes = prefetch[in.ConsumeIntegralInRange<int>(0, 3)];
+  // Unset: adaptive, the default.
+  const std::optional<size_t> prefetch[] = {0, 512 * kKiB, 2 * kMiB, 8 * kMiB, std::nullopt};
+  config.prefetch_bytes = prefetch[in.ConsumeIntegralInRange<int>(0, 4)];
   const size_t host_limit[] = {0, 2 * kMiB, 8 * kMiB};
   config.host_limit_bytes = host_limit[in.ConsumeIntegralInRange<int>(0, 2)];
   return config;

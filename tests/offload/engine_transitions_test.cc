@@ -32,6 +32,39 @@ class OffloadTransitions : public OffloadEngineTest {
   }
 };
 
+// The engine's last hold on a storage goes with no engine lock held, whether the storage was
+// resident or spilled: from torch 2.10 on that release can take the GIL (under the lock, a
+// deadlock with a Python thread waiting for the engine) and run code that comes back to it.
+TEST_F(OffloadTransitions, AStoragesLastReleaseRunsOutsideTheEngineLock) {
+  class Watched : public AllocatorStorage {
+   public:
+    Watched(CachingAllocator& allocator, StreamRef stream, std::optional<bool>& released_inside)
+        : AllocatorStorage(allocator, kMiB, stream), released_inside_(released_inside) {}
+    ~Watched() override { released_inside_ = OffloadEngine::InsideEngineOnThisThread(); }
+
+   private:
+    std::optional<bool>& released_inside_;
+  };
+  for (const bool spill : {false, true}) {
+    std::optional<bool> released_inside;
+    auto s = std::make_shared<Watched>(*allocator_, compute_, released_inside);
+    const auto id = engine_->AddKeeper(
+        s.get(), [&] { return s; }, FloatView(kMiB), compute_);
+    ASSERT_TRUE(id.has_value());
+    if (spill) {
+      s->holders = 0;
+      engine_->ForwardEnd();
+      engine_->Synchronize();
+      ASSERT_EQ(engine_->Describe(s.get())->residency, Residency::kSpilled);
+    }
+    s.reset();  // the engine's hold is the last
+    ASSERT_FALSE(released_inside.has_value());
+    engine_->RemoveKeeper(*id);
+    ASSERT_TRUE(released_inside.has_value()) << "the storage outlived its last keeper";
+    EXPECT_FALSE(*released_inside) << "released under the engine's lock (spilled: " << spill << ")";
+  }
+}
+
 TEST_F(OffloadTransitions, FullCycleKeepsEveryByte) {
   auto s = NewStorage(4 * kMiB, 7);
   const KeeperId id = Save(s);

@@ -269,7 +269,7 @@ TEST_F(OffloadPrefetchTest, OffloadPrefetchWindowFollowsSavesDropsAndSettings) {
     for (const void* key : keys) {
       const size_t n = engine_->Describe(key)->nbytes;
       if (n < kMiB) continue;  // below min_bytes at its save
-      if (bytes + n > config.prefetch_bytes) break;
+      if (bytes + n > *config.prefetch_bytes) break;
       bytes += n;
       oldest = key;
     }
@@ -457,6 +457,116 @@ TEST_F(OffloadPrefetchTest, APrefetchThatDoesNotFitRunsNoOutOfMemoryLadder) {
   EXPECT_EQ(AllocStat("num_ooms"), 0);
   EXPECT_EQ(AllocStat("num_alloc_retries"), retries);
   allocator_->Free(filler);
+}
+
+// Adaptive prefetch (the default: prefetch_bytes unset) reloads as deep as forward's footprint
+// leaves room for, and never past it but for the next save: backward's peak is forward's. A fixed
+// window as large as the old default's brought every save back at backward's first read.
+TEST_F(OffloadPrefetchTest, AdaptivePrefetchGoesDeepWithinForwardsFootprint) {
+  Make(Policy(OffloadPolicy::kEager), 256 * kMiB, std::chrono::microseconds{0});
+  ASSERT_FALSE(engine_->config().prefetch_bytes.has_value()) << "adaptive is the default";
+  constexpr uint32_t kSaves = 12;
+  constexpr size_t kSize = 2 * kMiB;
+  std::vector<std::shared_ptr<TestStorage>> saved;
+  std::vector<KeeperId> ids;
+  for (uint32_t i = 0; i < kSaves; ++i) {
+    saved.push_back(NewStorage(kSize, i));
+    ids.push_back(Save(saved.back()));
+    // Forward holds its last four activations, as layers do their inputs and outputs.
+    if (i >= 3) saved[i - 3]->holders = 0;
+  }
+  for (auto& s : saved) s->holders = 0;
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  const int64_t forward_peak = AllocStat("allocated_bytes.all.peak");
+  ASSERT_LT(forward_peak, static_cast<int64_t>(kSaves / 2 * kSize)) << "forward spilled little";
+  allocator_->ResetPeakStats(0);
+  for (int i = kSaves - 1; i >= 0; --i) {
+    const auto k = static_cast<size_t>(i);
+    void* ptr = engine_->Acquire(ids[k], compute_);
+    EXPECT_EQ(ReadOn(compute_, ptr, kSize), Pattern(kSize, static_cast<uint32_t>(i))) << i;
+    if (i == static_cast<int>(kSaves) - 1) {
+      // Deeper than the next save: the footprint has room for more.
+      EXPECT_NE(StateOf(saved[k - 1]), Residency::kSpilled);
+      EXPECT_NE(StateOf(saved[k - 2]), Residency::kSpilled);
+      EXPECT_EQ(StateOf(saved[0]), Residency::kSpilled) << "reloaded past forward's footprint";
+    }
+    engine_->Synchronize();
+    engine_->RemoveKeeper(ids[k]);
+    saved[k]->drop_device_memory();  // backward is done with it
+  }
+  EXPECT_LE(AllocStat("allocated_bytes.all.peak"), forward_peak + static_cast<int64_t>(kSize))
+      << "backward's prefetch raised the peak past forward's and the next save";
+  EXPECT_GE(EngineStat("num_prefetch_hits"), static_cast<int64_t>(kSaves) - 2);
+}
+
+// Under `auto` with adaptive prefetch no window of the newest saves stays resident: the budget
+// holds however small it is against the saves (a 256 MiB window, the old default, kept them all).
+TEST_F(OffloadPrefetchTest, AdaptivePrefetchLeavesAutoItsBudget) {
+  OffloadConfig config = Policy(OffloadPolicy::kAuto);
+  config.budget_bytes = 8 * kMiB;
+  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  std::vector<std::shared_ptr<TestStorage>> saved;
+  std::vector<KeeperId> ids;
+  for (uint32_t i = 0; i < 10; ++i) {  // 20 MiB of saves
+    saved.push_back(NewStorage(2 * kMiB, i));
+    ids.push_back(Save(saved.back()));
+    saved.back()->holders = 0;
+  }
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  EXPECT_LE(AllocStat("allocated_bytes.all.peak"), static_cast<int64_t>(8 * kMiB));
+  for (int i = 9; i >= 0; --i) {
+    const auto k = static_cast<size_t>(i);
+    void* ptr = engine_->Acquire(ids[k], compute_);
+    EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, static_cast<uint32_t>(i))) << i;
+    engine_->RemoveKeeper(ids[k]);
+    saved[k]->drop_device_memory();
+  }
+  EXPECT_LE(AllocStat("allocated_bytes.all.peak"), static_cast<int64_t>(8 * kMiB));
+}
+
+// Under `auto`, an allocation that would pass the budget gets back prefetches nobody read yet,
+// oldest first, before anything is spilled: backward's own allocations landed on top of them and
+// passed the budget (the newest saves, kept resident, were no candidates either).
+TEST_F(OffloadPrefetchTest, AutoGivesBackUnreadPrefetchesToHoldItsBudget) {
+  OffloadConfig config = Policy(OffloadPolicy::kAuto);
+  config.budget_bytes = 10 * kMiB;
+  config.prefetch_bytes = 8 * kMiB;  // the newest 8 MiB stay resident: nothing else to spill
+  Make(config, 256 * kMiB, std::chrono::microseconds{0});
+  std::vector<std::shared_ptr<TestStorage>> saved;
+  std::vector<KeeperId> ids;
+  for (uint32_t i = 0; i < 8; ++i) {
+    saved.push_back(NewStorage(2 * kMiB, i));
+    ids.push_back(Save(saved.back()));
+    saved.back()->holders = 0;
+  }
+  engine_->ForwardEnd();
+  engine_->Synchronize();
+  ASSERT_EQ(StateOf(saved[2]), Residency::kSpilled);
+  // Backward reads the newest save and is done with it; the next read prefetches into the room.
+  engine_->Acquire(ids[7], compute_);
+  engine_->RemoveKeeper(ids[7]);
+  saved[7]->drop_device_memory();
+  void* ptr = engine_->Acquire(ids[6], compute_);
+  engine_->Synchronize();
+  std::vector<size_t> prefetched;
+  for (size_t k = 0; k < 6; ++k) {
+    if (engine_->Describe(saved[k].get())->prefetched) prefetched.push_back(k);
+  }
+  ASSERT_FALSE(prefetched.empty()) << "the setup prefetched nothing";
+  // Backward's gradient: past the budget unless the unread prefetches go.
+  auto gradient = std::make_shared<TestStorage>(*allocator_, 2 * kMiB, compute_);
+  EXPECT_LE(AllocStat("allocated_bytes.all.current"), static_cast<int64_t>(10 * kMiB));
+  for (const size_t k : prefetched) {
+    EXPECT_EQ(StateOf(saved[k]), Residency::kSpilled) << "prefetch " << k << " was kept";
+  }
+  EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, 6));
+  for (int i = 5; i >= 0; --i) {
+    const auto k = static_cast<size_t>(i);
+    void* p = engine_->Acquire(ids[k], compute_);
+    EXPECT_EQ(ReadOn(compute_, p, 2 * kMiB), Pattern(2 * kMiB, static_cast<uint32_t>(i))) << i;
+  }
 }
 
 }  // namespace
