@@ -37,12 +37,13 @@ struct ForeignStreamUse {
 };
 
 // What only some blocks need, kept out of line: streams recorded by record_stream, the events
-// still pending for them after a free, and the trace context gathered when history is on.
+// still pending for them after a free, and what the history notes of its allocation (when on).
 struct BlockExtras {
-  absl::InlinedVector<StreamRef, 1> stream_uses;  // streams of the block's own device
-  std::vector<ForeignStreamUse> foreign_uses;     // rare: no room taken until used
-  TraceContext context;
-  int32_t event_count = 0;  // stream-use events still pending after a free
+  absl::InlinedVector<StreamRef, 1> stream_uses;     // streams of the block's own device
+  std::vector<ForeignStreamUse> foreign_uses;        // rare: no room taken until used
+  TraceContext context;                              // gathered at its allocation
+  TraceCategory category = TraceCategory::kUnknown;  // see DeviceAllocator::SetTraceCategory
+  int32_t event_count = 0;                           // stream-use events still pending after a free
 };
 
 // A contiguous range of one segment. A segment starts as one block and is split and re-merged;
@@ -238,6 +239,7 @@ class BlockArena {
       extras.stream_uses.clear();
       extras.foreign_uses.clear();
       extras.context.reset();
+      extras.category = TraceCategory::kUnknown;
       extras.event_count = 0;
     }
     b = Block{};

@@ -162,6 +162,11 @@ std::optional<AllocationInfo> CachingAllocator::Lookup(const void* ptr) const {
   return info;
 }
 
+void CachingAllocator::SetTraceCategory(const void* ptr, TraceCategory category) {
+  if (!recording_.load(std::memory_order_relaxed)) return;
+  FindOwner([&](DeviceAllocator& device) { return device.SetTraceCategory(ptr, category); });
+}
+
 std::optional<AllocationInfo> CachingAllocator::LookupContaining(const void* ptr) const {
   std::optional<AllocationInfo> info;
   FindOwner([&](const DeviceAllocator& device) {

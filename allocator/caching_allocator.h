@@ -50,6 +50,10 @@ class CachingAllocator {
   void RecordStream(void* ptr, StreamRef stream);
   void RecordStream(void* ptr, StreamRef stream, int stream_device);
   std::optional<AllocationInfo> Lookup(const void* ptr) const;
+  // What the layers above learned the live allocation at `ptr` holds (see TraceCategory): raises
+  // its category, while history is recorded (nothing otherwise: no lookup). A pointer that is no
+  // live allocation is ignored.
+  void SetTraceCategory(const void* ptr, TraceCategory category);
   // The live allocation `ptr` points into, on any device (interior pointers too).
   std::optional<AllocationInfo> LookupContaining(const void* ptr) const;
   // The segment containing `ptr` on any device (PyTorch's getBaseAllocation), or null.

@@ -139,7 +139,7 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
   }
   if (block == kNoBlock) {
     GarbageCollect(segment_size);
-    block = AllocSegment(kind, stream, rounded);
+    block = AllocSegment(kind, stream, rounded, context);
   }
   // A guess takes only what is there: no ladder, and no out-of-memory error on record.
   if (block == kNoBlock && SpeculativeAllocations::Active()) {
@@ -154,9 +154,9 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
   // num_alloc_retries counts mallocs that retried, as PyTorch's does, not the holders' rounds.
   if (block == kNoBlock) {
     ++stats_.num_alloc_retries;
-    block = Reclaim(kind, stream, rounded);
+    block = Reclaim(kind, stream, rounded, context);
   }
-  if (block == kNoBlock && callbacks_) block = AskHolders(kind, stream, rounded, lock);
+  if (block == kNoBlock && callbacks_) block = AskHolders(kind, stream, rounded, lock, context);
   if (block == kNoBlock) ThrowOutOfMemory(size, rounded);
   return UseBlock(block, rounded, size, std::move(context));
 }
@@ -176,7 +176,8 @@ BlockId DeviceAllocator::FindFree(PoolKind kind, StreamRef stream, size_t size) 
   });
 }
 
-BlockId DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t rounded) {
+BlockId DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t rounded,
+                                      const TraceContext& context) {
   // PyTorch's segment size first (a 20 MiB segment for a 1-10 MiB request leaves room for the
   // next few); when that does not fit under the limit or on the device, a segment of just the
   // request's size. At the edge of memory the spare room is a luxury that would fail a request
@@ -190,14 +191,15 @@ BlockId DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t ro
   const auto reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
   const size_t watermark = watermark_.load(std::memory_order_relaxed);
   if (least_allowed && reserved + full > watermark && reserved + least <= watermark) {
-    return NewSegment(kind, stream, least);  // (if it fails, the larger one fails too)
+    return NewSegment(kind, stream, least, context);  // (if it fails, the larger one fails too)
   }
-  BlockId block = NewSegment(kind, stream, full);
-  if (block == kNoBlock && least_allowed) block = NewSegment(kind, stream, least);
+  BlockId block = NewSegment(kind, stream, full, context);
+  if (block == kNoBlock && least_allowed) block = NewSegment(kind, stream, least, context);
   return block;
 }
 
-BlockId DeviceAllocator::NewSegment(PoolKind kind, StreamRef stream, size_t segment_size) {
+BlockId DeviceAllocator::NewSegment(PoolKind kind, StreamRef stream, size_t segment_size,
+                                    const TraceContext& context) {
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
   if (const size_t limit = Limit(); limit != 0 && reserved + segment_size > limit) return kNoBlock;
   // The device's first memory resolves the watermark below, which needs the device total: asked
@@ -221,14 +223,14 @@ BlockId DeviceAllocator::NewSegment(PoolKind kind, StreamRef stream, size_t segm
   block.set_size(segment_size);
   block.stream = slot;
   block.pool = kind;
-  segments_[block.ptr] = Segment{segment_size, kind, clock_, id, stream};
+  segments_[block.ptr] = Segment{segment_size, kind, clock_, id, stream, context};
   stream_handles_.try_emplace(stream.id, stream.handle);
   ++clock_;
   stats_.segment.Increase(kind, 1);
   stats_.reserved_bytes.Increase(kind, static_cast<int64_t>(segment_size));
   if (policy_.IsOversize(segment_size)) stats_.oversize_segments.Increase(1);
   ++stats_.num_device_alloc;
-  Trace(TraceAction::kSegmentAlloc, block.ptr, segment_size, stream.id, nullptr);
+  Trace(TraceAction::kSegmentAlloc, block.ptr, segment_size, stream.id, context);
   if (segments_.size() == 1) ResolveWatermark();  // the device's first memory: see SetWatermark
   return id;
 }
@@ -284,7 +286,7 @@ void* DeviceAllocator::UseBlock(BlockId id, size_t rounded, size_t requested,
   stats_.active_bytes.Increase(kind, size);
   stats_.requested_bytes.Increase(kind, static_cast<int64_t>(requested));
   if (policy_.IsOversize(block.size())) stats_.oversize_allocations.Increase(1);
-  TraceBlock(TraceAction::kAlloc, block, std::move(context));
+  TraceBlock(TraceAction::kAlloc, id, std::move(context));
   return reinterpret_cast<void*>(block.ptr);
 }
 
@@ -303,7 +305,7 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
   stats_.allocated_bytes.Decrease(block.pool, static_cast<int64_t>(block.size()));
   bytes_freed_ += block.size();
   if (policy_.IsOversize(block.size())) stats_.oversize_allocations.Decrease(1);
-  TraceBlock(TraceAction::kFreeRequested, block, std::move(context));
+  TraceBlock(TraceAction::kFreeRequested, id, std::move(context));
   if (!arena_.has_stream_uses(id)) {
     FreeBlock(id);
     return true;
@@ -365,13 +367,17 @@ bool DeviceAllocator::WaitOnHost(int device, const StreamRef& use) {
 
 void DeviceAllocator::FreeBlock(BlockId id) {
   Block* block = &arena_[id];
-  TraceBlock(TraceAction::kFreeCompleted, *block, nullptr);
+  TraceBlock(TraceAction::kFreeCompleted, id, nullptr);
   const PoolKind kind = block->pool;
   stats_.active.Decrease(kind, 1);
   stats_.active_bytes.Decrease(kind, static_cast<int64_t>(block->size()));
   stats_.requested_bytes.Decrease(kind, static_cast<int64_t>(block->requested));
   block->requested = 0;
-  if (block->has_extras) arena_.mutable_extras(id).context.reset();
+  if (block->has_extras) {
+    BlockExtras& extras = arena_.mutable_extras(id);
+    extras.context.reset();
+    extras.category = TraceCategory::kUnknown;
+  }
 
   int64_t net_split_blocks = 0;
   int64_t net_split_bytes = 0;
@@ -421,12 +427,18 @@ bool DeviceAllocator::ReleaseSegment(BlockId id) {
   // The device free first: should it throw, the segment is still cached and indexed, whole.
   backend_.device_free(device_, reinterpret_cast<void*>(block.ptr));
   IndexErase(id);
-  segments_.erase(block.ptr);
+  const auto segment = segments_.find(block.ptr);
+  // As PyTorch's: the frames of the allocation that made the segment.
+  TraceContext context = std::move(segment->second.context);
+  segments_.erase(segment);
   stats_.segment.Decrease(kind, 1);
   stats_.reserved_bytes.Decrease(kind, static_cast<int64_t>(block.size()));
   if (policy_.IsOversize(block.size())) stats_.oversize_segments.Decrease(1);
   ++stats_.num_device_free;
-  TraceBlock(TraceAction::kSegmentFree, block, nullptr);
+  if (history_.enabled()) {
+    Trace(TraceAction::kSegmentFree, block.ptr, block.size(), streams_.id(block.stream),
+          std::move(context));
+  }
   streams_.Release(block.stream);
   arena_.Delete(id);
   return true;
@@ -486,6 +498,15 @@ bool DeviceAllocator::RecordStream(void* ptr, StreamRef stream, int stream_devic
   return true;
 }
 
+bool DeviceAllocator::SetTraceCategory(const void* ptr, TraceCategory category) {
+  std::lock_guard lock(mutex_);
+  const BlockId id = allocated_.Find(reinterpret_cast<uintptr_t>(ptr), AddressOf());
+  if (id == kNoBlock) return false;
+  BlockExtras& extras = arena_.mutable_extras(id);
+  extras.category = std::max(extras.category, category);
+  return true;
+}
+
 void DeviceAllocator::EmptyCache() {
   std::lock_guard lock(mutex_);
   ProcessEventsLocked();
@@ -538,9 +559,20 @@ std::optional<double> DeviceAllocator::memory_fraction() const {
 }
 
 void DeviceAllocator::Trace(TraceAction action, uintptr_t addr, size_t size, uint64_t stream,
-                            TraceContext context) {
+                            TraceContext context, TraceCategory category) {
   if (!history_.enabled()) return;
-  history_.Record(TraceEntry{action, device_, addr, size, stream, NowMicros(), std::move(context)});
+  history_.Record(
+      TraceEntry{action, category, device_, addr, size, stream, NowMicros(), std::move(context)});
+}
+
+void DeviceAllocator::TraceBlockRecorded(TraceAction action, BlockId id, TraceContext context) {
+  const Block& b = arena_[id];
+  TraceCategory category = TraceCategory::kUnknown;
+  if (const BlockExtras* extras = arena_.extras(id)) {
+    category = extras->category;
+    if (action == TraceAction::kFreeCompleted) context = extras->context;
+  }
+  Trace(action, b.ptr, b.requested, streams_.id(b.stream), std::move(context), category);
 }
 
 }  // namespace spillway

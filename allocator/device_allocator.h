@@ -100,6 +100,10 @@ class DeviceAllocator {
   // a live allocation here.
   bool RecordStream(void* ptr, StreamRef stream, int stream_device);
   std::optional<AllocationInfo> Lookup(const void* ptr) const;
+  // Raises the category of the live allocation at `ptr` to `category` (see TraceCategory); its
+  // free's trace entries and the snapshot's block carry it. (CachingAllocator asks only while
+  // history is recorded.) Returns false when `ptr` is not a live allocation here.
+  bool SetTraceCategory(const void* ptr, TraceCategory category);
   // The live allocation `ptr` points into (its start included): what a second storage over
   // Spillway's memory (from_numpy, DLPack) or a view's data pointer belongs to.
   std::optional<AllocationInfo> LookupContaining(const void* ptr) const;
@@ -159,26 +163,31 @@ class DeviceAllocator {
     int64_t freed_at;  // allocation-clock tick at which it last became wholly free (GC age)
     BlockId head;      // first block; merges keep it, splits keep it at the front
     StreamRef stream;  // allocation stream of every block in the segment
+    // The context of the allocation that made it (when history gathers them): PyTorch's
+    // context_when_segment_allocated, which its segment_alloc and segment_free entries carry.
+    TraceContext context;
   };
   using SegmentMap = absl::btree_map<uintptr_t, Segment>;
 
   FreeIndex& pool(PoolKind kind) { return pools_[static_cast<int>(kind)]; }
   BlockId FindFree(PoolKind kind, StreamRef stream, size_t size);
   // A new segment for a `rounded`-byte request: PyTorch's size, or the least that holds the
-  // request when that does not fit. kNoBlock when neither does.
-  BlockId AllocSegment(PoolKind kind, StreamRef stream, size_t rounded);
+  // request when that does not fit. kNoBlock when neither does. `context`: the request's.
+  BlockId AllocSegment(PoolKind kind, StreamRef stream, size_t rounded,
+                       const TraceContext& context);
   bool CouldEverFitLocked(PoolKind kind, StreamRef stream, size_t rounded) const;
-  BlockId NewSegment(PoolKind kind, StreamRef stream, size_t segment_size);
+  BlockId NewSegment(PoolKind kind, StreamRef stream, size_t segment_size,
+                     const TraceContext& context);
   void* UseBlock(BlockId block, size_t rounded, size_t requested, TraceContext context);
   void FreeBlock(BlockId block);
   bool ReleaseSegment(BlockId block);
   // The out-of-memory ladder's own steps (no callbacks): the wait for pending stream uses, the
   // release of cached segments, a small request in the large pool. kNoBlock if none serves.
-  BlockId Reclaim(PoolKind kind, StreamRef stream, size_t rounded);
+  BlockId Reclaim(PoolKind kind, StreamRef stream, size_t rounded, const TraceContext& context);
   // The ladder's last step: the registered holders (the offload engine) give memory back, and
   // the allocator's own steps run again after each round. Unlocks `lock` while they run.
   BlockId AskHolders(PoolKind kind, StreamRef stream, size_t rounded,
-                     std::unique_lock<std::mutex>& lock);
+                     std::unique_lock<std::mutex>& lock, const TraceContext& context);
   // Adds or removes a free block in its pool's index, keyed by its current size and address.
   void IndexInsert(BlockId block);
   void IndexErase(BlockId block);
@@ -220,17 +229,16 @@ class DeviceAllocator {
   bool WaitOnHost(int device, const StreamRef& use);
   // Keeps a failure of work on `stream` (of `device`) for its owner (PendingStreamErrors).
   void NoteStreamError(int device, uint64_t stream, const BackendError& error);
-  void Trace(TraceAction action, uintptr_t addr, size_t size, uint64_t stream,
-             TraceContext context);
-  // Trace of a block: its stream's id is looked up only when history is on. An allocation's
-  // events carry the caller's size, as PyTorch's do (memory_viz draws those); a segment's, its
-  // size.
-  void TraceBlock(TraceAction action, const Block& b, TraceContext context) {
-    if (history_.enabled()) {
-      const size_t size = action == TraceAction::kSegmentFree ? b.size() : b.requested;
-      Trace(action, b.ptr, size, streams_.id(b.stream), std::move(context));
-    }
+  void Trace(TraceAction action, uintptr_t addr, size_t size, uint64_t stream, TraceContext context,
+             TraceCategory category = TraceCategory::kUnknown);
+  // Trace of an allocation's event: its stream's id and its extras are looked up only when
+  // history is on. The events carry the caller's size, as PyTorch's do (memory_viz draws those);
+  // a free, the block's category; free_completed, the frames of the allocation it ends, as
+  // PyTorch's (without them its viewer shows a freed block as having no frames).
+  void TraceBlock(TraceAction action, BlockId id, TraceContext context) {
+    if (history_.enabled()) TraceBlockRecorded(action, id, std::move(context));
   }
+  void TraceBlockRecorded(TraceAction action, BlockId id, TraceContext context);
   [[noreturn]] void ThrowOutOfMemory(size_t requested, size_t rounded);
   size_t LargestFreeBlockLocked() const;
   size_t ComputeLimit() const;

@@ -14,7 +14,8 @@
 namespace spillway {
 
 BlockId DeviceAllocator::AskHolders(PoolKind kind, StreamRef stream, size_t rounded,
-                                    std::unique_lock<std::mutex>& lock) {
+                                    std::unique_lock<std::mutex>& lock,
+                                    const TraceContext& context) {
   // Spills for a request that fits nowhere would cost copies now and reloads later for nothing.
   if (!CouldEverFitLocked(kind, stream, rounded)) return kNoBlock;
   const std::vector<FreeMemoryCallback> callbacks = callbacks_();
@@ -39,8 +40,8 @@ BlockId DeviceAllocator::AskHolders(PoolKind kind, StreamRef stream, size_t roun
     // Then everything the allocator can do on its own, once more.
     ProcessEventsLocked();
     block = FindFree(kind, stream, rounded);
-    if (block == kNoBlock) block = AllocSegment(kind, stream, rounded);
-    if (block == kNoBlock) block = Reclaim(kind, stream, rounded);
+    if (block == kNoBlock) block = AllocSegment(kind, stream, rounded, context);
+    if (block == kNoBlock) block = Reclaim(kind, stream, rounded, context);
     // Nothing given back (by their word, or by the freed bytes: a holder that says it freed
     // memory but did not must not keep this loop going): asking again cannot help.
     if (released == 0 || bytes_freed_ == freed_before) break;
@@ -71,7 +72,8 @@ bool DeviceAllocator::CouldEverFitLocked(PoolKind kind, StreamRef stream, size_t
   });
 }
 
-BlockId DeviceAllocator::Reclaim(PoolKind kind, StreamRef stream, size_t rounded) {
+BlockId DeviceAllocator::Reclaim(PoolKind kind, StreamRef stream, size_t rounded,
+                                 const TraceContext& context) {
   // Wait for every pending stream use and retry: a block that was waiting may serve now. Only if
   // none does, give all wholly free cached segments back to the backend and ask it again.
   // (PyTorch's allocator releases first, which turns a block that just became usable into a
@@ -81,7 +83,7 @@ BlockId DeviceAllocator::Reclaim(PoolKind kind, StreamRef stream, size_t rounded
   BlockId block = FindFree(kind, stream, rounded);
   if (block == kNoBlock) {
     ReleaseCachedSegments(std::numeric_limits<size_t>::max());
-    block = AllocSegment(kind, stream, rounded);
+    block = AllocSegment(kind, stream, rounded, context);
   }
   // Beyond PyTorch's allocator: a small request that still has nowhere to go takes free space in
   // a large-pool segment of its stream (split by the large pool's rules) rather than fail, or

@@ -136,6 +136,7 @@ std::vector<SegmentSnapshot> DeviceAllocator::SnapshotSegments() const {
     s.total_size = segment.size;
     s.stream = segment.stream.id;
     s.pool = segment.pool;
+    s.context = segment.context;
     for (BlockId id = segment.head; id != kNoBlock; id = arena_[id].next) {
       const Block& b = arena_[id];
       BlockSnapshot bs;
@@ -145,7 +146,10 @@ std::vector<SegmentSnapshot> DeviceAllocator::SnapshotSegments() const {
       bs.state = b.allocated ? BlockState::kActiveAllocated
                  : b.pending ? BlockState::kActivePendingFree
                              : BlockState::kInactive;
-      if (const BlockExtras* extras = arena_.extras(id)) bs.context = extras->context;
+      if (const BlockExtras* extras = arena_.extras(id)) {
+        bs.context = extras->context;
+        bs.category = extras->category;
+      }
       if (b.allocated) s.allocated_size += b.size();
       if (bs.state != BlockState::kInactive) s.active_size += b.size();
       s.requested_size += bs.requested_size;

@@ -26,6 +26,20 @@ std::string_view TraceActionName(TraceAction action) {
   return "unknown";
 }
 
+std::string_view TraceCategoryName(TraceCategory category) {
+  switch (category) {
+    case TraceCategory::kUnknown:
+      return "unknown";
+    case TraceCategory::kSavedForBackward:
+      return "saved_for_backward";
+    case TraceCategory::kSpilled:
+      return "spilled";
+    case TraceCategory::kReloaded:
+      return "reloaded";
+  }
+  return "unknown";
+}
+
 int64_t NowMicros() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
              std::chrono::system_clock::now().time_since_epoch())

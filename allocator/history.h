@@ -12,7 +12,9 @@
 
 namespace spillway {
 
-enum class TraceAction {
+// One byte, as TraceCategory: the two take the four bytes the action took alone, so a TraceEntry
+// is no larger for its category.
+enum class TraceAction : uint8_t {
   kAlloc,
   kFreeRequested,
   kFreeCompleted,
@@ -25,6 +27,24 @@ enum class TraceAction {
 // PyTorch's spelling: "alloc", "free_requested", ..., "segment_free", "oom", "snapshot".
 std::string_view TraceActionName(TraceAction action);
 
+// What an allocation held, as far as the layers above the allocator learned it (the torch
+// layer's saves, and the offload engine's spills and reloads, through
+// CachingAllocator::SetTraceCategory) while history was recorded. Ordered: a block's category
+// only rises, so a reload given back stays a reload.
+enum class TraceCategory : uint8_t {
+  kUnknown,
+  // Saved for backward. Not PyTorch's "activation": parameters and inputs are saved too, and
+  // nothing cheap tells them apart at the save.
+  kSavedForBackward,
+  kSpilled,   // saved for backward; its device memory went when its bytes were spilled to host
+  kReloaded,  // made by a reload of spilled bytes
+};
+
+// The `category` of PyTorch's trace entries, which its memory viewer colours allocations by:
+// "unknown" (PyTorch's name for what it cannot tell), "saved_for_backward", "spilled",
+// "reloaded".
+std::string_view TraceCategoryName(TraceCategory category);
+
 // What a context gatherer returns. Type-erased so the core stays free of torch and Python; the
 // layer that installed the gatherer knows the real type.
 using TraceContext = std::shared_ptr<const void>;
@@ -32,6 +52,9 @@ using ContextGatherer = std::function<TraceContext()>;
 
 struct TraceEntry {
   TraceAction action = TraceAction::kAlloc;
+  // Of a free_requested or free_completed: the block's when it was freed (an allocation is
+  // recorded before anything is learned of it; see TraceCategory).
+  TraceCategory category = TraceCategory::kUnknown;
   int device = 0;
   uintptr_t addr = 0;  // for kOom: free device bytes at the time
   size_t size = 0;

@@ -24,6 +24,7 @@ struct BlockSnapshot {
   size_t requested_size = 0;  // 0 when inactive (free)
   BlockState state = BlockState::kInactive;
   TraceContext context;
+  TraceCategory category = TraceCategory::kUnknown;  // of a live allocation (SetTraceCategory)
 };
 
 struct SegmentSnapshot {
@@ -35,6 +36,7 @@ struct SegmentSnapshot {
   size_t requested_size = 0;
   uint64_t stream = 0;  // StreamRef::id
   PoolKind pool = PoolKind::kSmall;
+  TraceContext context;               // of the allocation that made the segment
   std::vector<BlockSnapshot> blocks;  // address order
 };
 

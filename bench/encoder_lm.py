@@ -74,17 +74,13 @@ def main():
     import spillway
 
     spillway.install("sim", capacity_bytes=4 << 30)
-    offload = None
-    if args.offload != "none":
-        kwargs = {}
-        if args.prefetch_mb is not None:
-            kwargs["prefetch_bytes"] = int(args.prefetch_mb * (1 << 20))
-        if args.budget_fraction is not None:
-            kwargs["budget_bytes"] = int(args.budget_fraction * args.reference_peak)
-
-        def offload():
-            return spillway.offload(args.offload, **kwargs)
-    losses, digest = train(args.steps, args.batch, args.seq, offload)
+    kwargs = {}
+    if args.prefetch_mb is not None:
+        kwargs["prefetch_bytes"] = int(args.prefetch_mb * (1 << 20))
+    if args.budget_fraction is not None:
+        kwargs["budget_bytes"] = int(args.budget_fraction * args.reference_peak)
+    block = None if args.offload == "none" else (lambda: spillway.offload(args.offload, **kwargs))
+    losses, digest = train(args.steps, args.batch, args.seq, block)
     stats = spillway.memory_stats()
     print(json.dumps({"losses": losses, "grads": digest,
                       "peak_allocated": stats["allocated_bytes.all.peak"],

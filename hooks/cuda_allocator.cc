@@ -14,6 +14,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cassert>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -109,6 +110,8 @@ void CopyStatArray(const StatArray& from, C10StatArray& to) {
 
 class SpillwayCudaAllocator final : public Base {
  public:
+  // Announces an out-of-memory error met under the offload engine's lock (see Guard).
+  void AnnounceOutOfMemory(const OutOfMemoryError& error) { NotifyOom(error); }
   explicit SpillwayCudaAllocator(CachingAllocator& allocator) : alloc_(allocator) {}
 
   static SpillwayCudaAllocator* instance;
@@ -349,8 +352,14 @@ class SpillwayCudaAllocator final : public Base {
     try {
       return fn();
     } catch (const OutOfMemoryError& e) {
-      // A speculative allocation's miss (a prefetch) is no out-of-memory error to announce.
-      if (!SpeculativeAllocations::Active()) NotifyOom(e);
+      // A speculative allocation's miss (a prefetch) is no out-of-memory error to announce. One
+      // made under the offload engine's lock (a reload for backward) is announced by the engine's
+      // caller once that lock is released (NotifyOutOfMemory): an observer may be Python, and
+      // waiting for the GIL under the engine's lock could deadlock against a Python thread that
+      // waits for the engine.
+      if (!SpeculativeAllocations::Active() && !OffloadEngine::InsideEngineOnThisThread()) {
+        NotifyOom(e);
+      }
       C10_THROW_ERROR(OutOfMemoryError, e.what());
     } catch (const Error& e) {
       TORCH_CHECK(false, "Spillway: ", e.what());
@@ -365,6 +374,7 @@ class SpillwayCudaAllocator final : public Base {
   // it, the same for large requests, 2 MiB for a small one), the memory the process may use (its
   // limit when one is set, else the device's total), and the device's free memory.
   void NotifyOom(const OutOfMemoryError& error) {
+    assert(!OffloadEngine::InsideEngineOnThisThread());
     std::vector<cca::OutOfMemoryObserver> observers;
     {
       std::lock_guard lock(mutex_);
@@ -471,6 +481,11 @@ SpillwayCudaAllocator* SpillwayCudaAllocator::instance = nullptr;
 
 bool HasCudaAllocator() { return true; }
 
+void NotifyOutOfMemory(const OutOfMemoryError& error) {
+  if (SpillwayCudaAllocator::instance != nullptr)
+    SpillwayCudaAllocator::instance->AnnounceOutOfMemory(error);
+}
+
 c10::Allocator* CudaAllocatorAdapter(CachingAllocator& allocator) {
   static std::mutex mutex;
   std::lock_guard lock(mutex);
@@ -505,6 +520,8 @@ void InstallCudaAllocator(CachingAllocator& allocator, const std::function<void(
 namespace spillway::torch_layer {
 
 bool HasCudaAllocator() { return false; }
+
+void NotifyOutOfMemory(const OutOfMemoryError& /*error*/) {}
 
 namespace {
 [[noreturn]] void NoAdapter() {

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "allocator/errors.h"
+#include "hooks/cuda_allocator.h"
 #include "hooks/runtime.h"
 #include "hooks/torch_storage.h"
 
@@ -106,8 +107,11 @@ at::Tensor SavedHandle::Unpack() const {
     engine.Acquire(id_, consumer);
     if (runtime.host_consumers()) engine.WaitResident(id_);
   } catch (const OutOfMemoryError& e) {
-    // Out of memory stays out of memory (torch.cuda.OutOfMemoryError), so that programs that
-    // catch it to shrink their batch see it as such.
+    // The reload's allocation was made under the engine's lock, so PyTorch's out-of-memory
+    // observers hear of it only now. Out of memory stays out of memory
+    // (torch.cuda.OutOfMemoryError), so that programs that catch it to shrink their batch see it
+    // as such.
+    if (options_.device().is_cuda()) NotifyOutOfMemory(e);
     C10_THROW_ERROR(OutOfMemoryError, "spillway could not bring back the saved tensor " +
                                           Describe() + ": " + e.what());
   } catch (const ProgramStreamError& e) {

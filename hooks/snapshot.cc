@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "allocator/errors.h"
@@ -85,6 +86,40 @@ py::list FramesOf(const TraceContext& context) {
     out.append(d);
   }
   return out;
+}
+
+using LiveCategories = std::unordered_map<uintptr_t, TraceCategory>;  // by block address
+
+// The category of each entry of one device's `trace`. What the layers above learn of an
+// allocation (TraceCategory) comes after its alloc entry was recorded: the history has it in the
+// entries of its free, and the snapshot in its block while it lives. Every entry of an allocation
+// gets it, its alloc entry included (the one the viewer colours, or its free's when the history
+// begins after the alloc).
+std::vector<TraceCategory> AllocationCategories(const std::vector<TraceEntry>& trace,
+                                                const LiveCategories& live) {
+  std::vector<TraceCategory> out(trace.size(), TraceCategory::kUnknown);
+  std::unordered_map<uintptr_t, size_t> open;  // address -> the alloc entry of the live block
+  for (size_t i = 0; i < trace.size(); ++i) {
+    const TraceEntry& e = trace[i];
+    if (e.action == TraceAction::kAlloc) {
+      open[e.addr] = i;
+    } else if (e.action == TraceAction::kFreeRequested || e.action == TraceAction::kFreeCompleted) {
+      out[i] = e.category;
+      if (const auto it = open.find(e.addr); it != open.end()) {
+        out[it->second] = e.category;
+        open.erase(it);
+      }
+    }
+  }
+  for (const auto& [address, index] : open) {
+    if (const auto it = live.find(address); it != live.end()) out[index] = it->second;
+  }
+  return out;
+}
+
+bool IsAllocationEvent(TraceAction action) {
+  return action == TraceAction::kAlloc || action == TraceAction::kFreeRequested ||
+         action == TraceAction::kFreeCompleted;
 }
 
 py::dict SpillwaySection(Runtime& runtime, py::dict& block_sections) {
@@ -194,6 +229,7 @@ py::dict Snapshot() {
   const spillway::Snapshot snap = allocator.TakeSnapshot();
   py::dict out;
   py::list segments;
+  std::vector<LiveCategories> live(snap.device_traces.size());
   for (const SegmentSnapshot& s : snap.segments) {
     py::dict seg;
     seg["device"] = s.device;
@@ -206,9 +242,12 @@ py::dict Snapshot() {
     seg["segment_type"] = s.pool == PoolKind::kSmall ? "small" : "large";
     seg["segment_pool_id"] = py::make_tuple(0, 0);
     seg["is_expandable"] = false;
-    seg["frames"] = py::list();
+    seg["frames"] = FramesOf(s.context);
     py::list blocks;
     for (const BlockSnapshot& b : s.blocks) {
+      if (b.state != BlockState::kInactive && static_cast<size_t>(s.device) < live.size()) {
+        live[static_cast<size_t>(s.device)][b.address] = b.category;
+      }
       py::dict blk;
       blk["address"] = b.address;
       blk["size"] = b.size;
@@ -232,9 +271,12 @@ py::dict Snapshot() {
   }
   out["segments"] = segments;
   py::list traces;
-  for (const auto& device_trace : snap.device_traces) {
+  for (size_t device = 0; device < snap.device_traces.size(); ++device) {
+    const std::vector<TraceEntry>& device_trace = snap.device_traces[device];
+    const std::vector<TraceCategory> categories = AllocationCategories(device_trace, live[device]);
     py::list t;
-    for (const TraceEntry& e : device_trace) {
+    for (size_t i = 0; i < device_trace.size(); ++i) {
+      const TraceEntry& e = device_trace[i];
       py::dict d;
       d["action"] = std::string(TraceActionName(e.action));
       if (e.action == TraceAction::kOom) {
@@ -247,6 +289,12 @@ py::dict Snapshot() {
       d["stream"] = snap.StreamValue(e.stream);
       d["time_us"] = e.time_us;
       d["frames"] = FramesOf(e.context);
+      // Every allocation's entries, "unknown" where nothing was learned: the viewer lists each
+      // category it finds in its legend, and some releases of it fail on a snapshot with
+      // categories among which "unknown" is missing (a misspelt push in MemoryViz.js).
+      if (IsAllocationEvent(e.action)) {
+        d["category"] = std::string(TraceCategoryName(categories[i]));
+      }
       t.append(d);
     }
     traces.append(t);

@@ -4,7 +4,11 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
+#include <cassert>
+#include <utility>
+
 #include "allocator/errors.h"
+#include "allocator/history.h"
 #include "hooks/runtime.h"
 #include "hooks/sim_cpu_allocator.h"
 #include "hooks/torch_compat.h"
@@ -33,7 +37,21 @@ int64_t Holders(const c10::StorageImpl* impl) {
   return count;
 }
 
+TorchStorage::TorchStorage(c10::Storage storage, int device)
+    : storage_(std::move(storage)), device_(device) {
+  // The snapshot's trace entries say which allocations were saved for backward (their category,
+  // what PyTorch's memory viewer colours them by). Only here does the torch layer learn it: the
+  // allocation was recorded before the save. (A no-op unless history is recorded; memory of
+  // another allocator is no live allocation of Spillway's, and is left alone.)
+  Runtime::Get().allocator().SetTraceCategory(data(), TraceCategory::kSavedForBackward);
+}
+
+TorchStorage::~TorchStorage() { assert(!OffloadEngine::InsideEngineOnThisThread()); }
+
 void TorchStorage::drop_device_memory() {
+  // Its free ends the allocation while the bytes live on on the host. (Memory a reload made and
+  // the engine gives back stays a reload's: categories only rise.)
+  Runtime::Get().allocator().SetTraceCategory(data(), TraceCategory::kSpilled);
   // The old DataPtr's deleter hands the block back to Spillway's allocator; its reuse is held
   // back by the stream use the engine recorded for the copy.
   storage_.unsafeGetStorageImpl()->set_data_ptr_noswap(c10::DataPtr(nullptr, storage_.device()));
@@ -54,6 +72,7 @@ void* TorchStorage::allocate_device_memory(StreamRef /*stream*/) {
     throw OutOfMemoryError(e.what_without_backtrace(), storage_.nbytes(), device_);
   }
   void* ptr = memory.get();
+  Runtime::Get().allocator().SetTraceCategory(ptr, TraceCategory::kReloaded);
   storage_.unsafeGetStorageImpl()->set_data_ptr_noswap(std::move(memory));
   return ptr;
 }

@@ -25,9 +25,17 @@ bool MadeBySpillway(const c10::Storage& storage);
 // is read as a hint, as use_count() is.
 int64_t Holders(const c10::StorageImpl* impl);
 
+// The engine makes one per storage, at the save that gives the storage an entry
+// (OffloadEngine::AddKeeper's factory): making one notes the storage's memory as saved for
+// backward in the allocator's history, and dropping or reallocating it notes a spill or a reload.
 class TorchStorage final : public Storage {
  public:
-  TorchStorage(c10::Storage storage, int device) : storage_(std::move(storage)), device_(device) {}
+  TorchStorage(c10::Storage storage, int device);
+  // Asserts (debug builds) that the engine's lock is not held: from torch 2.10 on the storage's
+  // last release can take the GIL and run Python (the engine defers it, DeferRelease).
+  ~TorchStorage() override;
+  TorchStorage(const TorchStorage&) = delete;
+  TorchStorage& operator=(const TorchStorage&) = delete;
 
   void* data() const override { return storage_.data_ptr().get(); }
   size_t nbytes() const override { return storage_.nbytes(); }

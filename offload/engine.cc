@@ -452,6 +452,7 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
   Entry& e = *keeper.entry;
   const uint64_t save_seq = keeper.save_seq;  // read now: the policy runs below may add keepers
   TakeHeardFailures(e.device);  // before a reload is issued, which they would fail too
+  Device(e.device).read_since_save = true;
   Refresh(e);
   switch (e.state) {
     case Residency::kFailed:

@@ -34,7 +34,12 @@ void DeferRelease(std::shared_ptr<Storage> storage);
 void ReleaseDeferred() noexcept;
 
 // The engine's lock, also marking the thread as inside the engine. Lock order: the GIL (when the
-// caller holds it), then this, then an allocator's lock; nothing under this lock takes the GIL.
+// caller holds it), then this, then an allocator's lock. Nothing under this lock waits for the
+// GIL: storages are let go of after it (DeferRelease), the allocator's stack gatherer records
+// nothing inside the engine, and out-of-memory observers hear of a reload's failure from the
+// engine's caller. The one storage reference taken under it, AddKeeper's storage factory, is the
+// pack hook's, whose caller holds the GIL already (a first reference from 1 to 2 increfs the
+// storage's Python object). The torch layer asserts this in debug (sanitizer) builds.
 class EngineLock {
  public:
   explicit EngineLock(std::recursive_mutex& mutex) : lock_(mutex) { ++engine_depth; }
@@ -140,9 +145,15 @@ struct OffloadEngine::DeviceContext {
   std::vector<EventHandle> events;  // every event this context created (entries borrow them)
   std::vector<EventHandle> spare;   // not borrowed right now
   size_t prefetched_bytes = 0;      // reloaded ahead of use on this device, not yet acquired
-  // The most bytes allocated on this device at a save: forward's footprint, which an adaptive
-  // prefetch (OffloadConfig::prefetch_bytes unset) does not take backward's past.
+  // The most bytes allocated on this device at a save of the latest forward: its footprint, which
+  // an adaptive prefetch (OffloadConfig::prefetch_bytes unset) does not take backward's past.
   size_t saving_high = 0;
+  // The most bytes spilled at once since the latest forward began: an adaptive prefetch reloads
+  // at most an eighth of it ahead (beyond the next save).
+  size_t spilled_high = 0;
+  // A save was read since the last save: the next save starts another forward, whose footprint
+  // is its own (a larger one before, an evaluation's or another batch size's, says nothing).
+  bool read_since_save = false;
 };
 
 }  // namespace spillway

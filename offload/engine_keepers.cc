@@ -29,6 +29,8 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   // Forward's footprint, which adaptive prefetch keeps backward within (the saved bytes are still
   // allocated now: a policy spills them only below).
   DeviceContext& dc = Device(e.device);
+  if (dc.read_since_save) dc.saving_high = dc.spilled_high = 0;
+  dc.read_since_save = false;
   dc.saving_high = std::max(dc.saving_high, AllocatedBytes(e.device));
   // Saved before, and other saves since: backward reads it first at this save. Auto's spill order
   // and window take it as new (it kept its first save's place, outside the window, and went
@@ -81,13 +83,16 @@ OffloadEngine::Entry* OffloadEngine::EntryForSave(const void* key,
     throw InvalidArgumentError("OffloadEngine::AddKeeper: the storage factory returned null");
   }
   const size_t nbytes = storage->nbytes();
+  // (A binding refused goes once the lock is released, as a dropped entry's does.)
   if (nbytes == 0) {
     CountSkip(kSkipEmpty);
+    DeferRelease(std::move(storage));
     return nullptr;
   }
   const auto info = allocator_.Lookup(storage->data());
   if (!info || info->ptr != storage->data() || info->requested < nbytes) {
     CountSkip(kSkipForeign);
+    DeferRelease(std::move(storage));
     return nullptr;
   }
   auto entry = std::make_unique<Entry>();

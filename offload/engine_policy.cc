@@ -47,13 +47,15 @@ void OffloadEngine::Prefetch(int device, uint64_t before_seq, StreamRef consumer
     const size_t after = AllocatedBytes(e.device) + e.nbytes;
     const size_t budget = budget_bytes(e.device);
     if (after > budget) break;
-    // Adaptive: the next save always (a read it overlaps with), the older ones while backward
-    // stays within the most that forward held (and the budget), less a sixteenth left to
-    // backward's own allocations, which land on top: prefetching does not raise the peak, nor
-    // fill `auto`'s budget only to be given back at backward's next allocation.
+    // Adaptive: the next save always (a read it overlaps with), then older ones up to an eighth
+    // of what forward spilled (backward's start holds what forward's end did: reloading more
+    // there brought the peak back), and only while backward stays within the most that forward
+    // held (and the budget), less a sixteenth left to backward's own allocations, which land on
+    // top: prefetching does not raise the peak, nor fill `auto`'s budget only to be given back
+    // at backward's next allocation.
     if (!window.has_value() && prefetched > 0) {
       const size_t ceiling = std::min(budget, dc.saving_high);
-      if (after > ceiling - ceiling / 16) break;
+      if (prefetched + e.nbytes > dc.spilled_high / 8 || after > ceiling - ceiling / 16) break;
     }
     try {
       PolicyScope scope(in_policy_);
@@ -282,7 +284,10 @@ void OffloadEngine::CountSpilled(const Entry& e, bool spilled) {
   } else {
     stats_.spilled_bytes.Decrease(bytes);
   }
-  spilled_by_device_[static_cast<size_t>(e.device)] += spilled ? bytes : -bytes;
+  int64_t& device_spilled = spilled_by_device_[static_cast<size_t>(e.device)];
+  device_spilled += spilled ? bytes : -bytes;
+  size_t& high = Device(e.device).spilled_high;
+  high = std::max(high, static_cast<size_t>(device_spilled));
 }
 
 void OffloadEngine::UpdateWatermarks() {

@@ -18,9 +18,34 @@ import sys
 MIB = float(1 << 20)
 
 
+class RefusedGlobalError(pickle.UnpicklingError):
+    """A snapshot file named a global (a class or function), which load() never imports."""
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Reads only what pickle writes with opcodes of its own: dict, list, tuple, str, bytes, int,
+    float, bool and None (and sets), what memory snapshots are made of. A class or function comes
+    in only as a global, and loading one runs code of the file's choosing (os.system through
+    __reduce__): snapshots are shared in bug reports, so every global is refused. Nothing
+    legitimate needs one: spillway.dump_snapshot writes plain types only, as do PyTorch's writers
+    (torch.cuda.memory._dump_snapshot pickles the dict of _cuda_memorySnapshot, and the C++
+    _memory_snapshot_pickled uses untyped lists and dicts, which its pickler writes without type
+    tags), and pytorch.org/memory_viz's own unpickler has no opcode for a global at all. (Below
+    protocol 3 bytes are written through the global _codecs.encode, refused too: no snapshot
+    writer puts bytes in a pickle of those protocols.)"""
+
+    def find_class(self, module, name):
+        raise RefusedGlobalError(
+            f"refused to load the global {module}.{name}: a memory snapshot holds only plain types "
+            "(dict, list, tuple, str, bytes, int, float, bool, None), so this file is no snapshot "
+            "and loading it could run code")
+
+
 def load(path):
+    """The snapshot pickled in `path`. Refuses (RefusedGlobalError) a file that names any class
+    or function, rather than import and call it as pickle.load would."""
     with open(path, "rb") as f:
-        return pickle.load(f)
+        return _PlainUnpickler(f).load()
 
 
 def devices(snapshot):
@@ -246,6 +271,8 @@ def main(argv=None):
         except Exception as error:  # noqa: BLE001 - missing, unreadable, not a pickle, ...
             if isinstance(error, OSError) and error.strerror:
                 reason = error.strerror
+            elif isinstance(error, RefusedGlobalError):
+                reason = error
             elif isinstance(error, (pickle.UnpicklingError, EOFError)):
                 # pickle's own words ("Memo value not found at index 104") do not say this.
                 reason = f"not a pickle file ({error}); write one with spillway.dump_snapshot"

@@ -183,6 +183,105 @@ TEST_F(StatsHistoryTest, FreesCarryAContextUnlessOnlyAllocationsAskForOne) {
   }
 }
 
+// The number a test's gatherer put in a context, 0 for none.
+int ContextNumber(const TraceContext& context) {
+  return context == nullptr ? 0 : *static_cast<const int*>(context.get());
+}
+
+// As PyTorch's: free_completed carries the frames of the allocation it ends (PyTorch's viewer
+// said "This block has no frames" of every block Spillway freed), and segment_alloc and
+// segment_free those of the allocation that made the segment, as the segment itself does; a
+// free that waits for another stream included.
+TEST_F(StatsHistoryTest, FreeCompletedAndSegmentEventsCarryTheFramesOfTheirAllocation) {
+  int gathered = 0;
+  allocator_->RecordHistory(
+      true, 64, [&]() -> TraceContext { return std::make_shared<const int>(++gathered); },
+      /*free_context=*/false);
+  void* first = Alloc(4096);   // context 1: makes the segment
+  void* second = Alloc(4096);  // context 2: in that segment
+  const StreamRef side = backend_->create_stream(0);
+  allocator_->RecordStream(second, side);
+  allocator_->Free(second);  // completes once `side` is past the free
+  const Snapshot live = allocator_->TakeSnapshot();
+  ASSERT_EQ(live.segments.size(), 1u);
+  EXPECT_EQ(ContextNumber(live.segments[0].context), 1);
+  backend_->synchronize_stream(0, side.handle);
+  allocator_->ProcessEvents(0);
+  allocator_->Free(first);
+  allocator_->EmptyCache();
+  const auto trace = allocator_->TakeSnapshot().device_traces.at(0);
+  std::vector<std::tuple<TraceAction, uintptr_t, int>> events;
+  for (const TraceEntry& e : trace) {
+    events.emplace_back(e.action, e.addr, ContextNumber(e.context));
+  }
+  const auto a = reinterpret_cast<uintptr_t>(first);
+  const auto b = reinterpret_cast<uintptr_t>(second);
+  const std::vector<std::tuple<TraceAction, uintptr_t, int>> expected = {
+      {TraceAction::kSegmentAlloc, live.segments[0].address, 1},
+      {TraceAction::kAlloc, a, 1},
+      {TraceAction::kAlloc, b, 2},
+      {TraceAction::kFreeRequested, b, 0},  // no context asked for at frees
+      {TraceAction::kFreeCompleted, b, 2},
+      {TraceAction::kFreeRequested, a, 0},
+      {TraceAction::kFreeCompleted, a, 1},
+      {TraceAction::kSegmentFree, live.segments[0].address, 1},
+  };
+  EXPECT_EQ(events, expected);
+  backend_->destroy_stream(0, side.handle);
+}
+
+// What the layers above learn of an allocation after it was made (saved for backward, spilled,
+// reloaded) reaches the history in its free's entries and the snapshot in its live block: only
+// while history is recorded, only rising, and forgotten when the block is freed.
+TEST_F(StatsHistoryTest, AFreeCarriesTheCategoryItsAllocationWasGiven) {
+  void* before = Alloc(4096);
+  allocator_->SetTraceCategory(before, TraceCategory::kSavedForBackward);  // not recording: no-op
+  allocator_->RecordHistory(true, 64);
+  void* spilled = Alloc(4096);
+  allocator_->SetTraceCategory(spilled, TraceCategory::kSpilled);
+  allocator_->SetTraceCategory(spilled, TraceCategory::kSavedForBackward);  // does not lower it
+  void* reloaded = Alloc(4096);
+  allocator_->SetTraceCategory(reloaded, TraceCategory::kReloaded);
+  int not_allocated = 0;
+  allocator_->SetTraceCategory(&not_allocated, TraceCategory::kSpilled);  // ignored
+  const Snapshot snap = allocator_->TakeSnapshot();
+  for (const SegmentSnapshot& seg : snap.segments) {
+    for (const BlockSnapshot& blk : seg.blocks) {
+      const auto* at = reinterpret_cast<void*>(blk.address);
+      const TraceCategory expected = at == reloaded  ? TraceCategory::kReloaded
+                                     : at == spilled ? TraceCategory::kSpilled
+                                                     : TraceCategory::kUnknown;
+      EXPECT_EQ(blk.category, expected) << blk.address;
+    }
+  }
+  allocator_->Free(spilled);
+  allocator_->Free(before);
+  void* reused = Alloc(4096);  // the block of one of them, which starts unknown again
+  ASSERT_TRUE(reused == spilled || reused == before);
+  allocator_->Free(reused);
+  allocator_->Free(reloaded);
+  const auto trace = allocator_->TakeSnapshot().device_traces.at(0);
+  std::vector<std::tuple<TraceAction, uintptr_t, TraceCategory>> frees;
+  for (const TraceEntry& e : trace) {
+    if (e.action == TraceAction::kFreeRequested || e.action == TraceAction::kFreeCompleted) {
+      frees.emplace_back(e.action, e.addr, e.category);
+    }
+  }
+  const auto at = [](void* p) { return reinterpret_cast<uintptr_t>(p); };
+  const std::vector<std::tuple<TraceAction, uintptr_t, TraceCategory>> expected = {
+      {TraceAction::kFreeRequested, at(spilled), TraceCategory::kSpilled},
+      {TraceAction::kFreeCompleted, at(spilled), TraceCategory::kSpilled},
+      {TraceAction::kFreeRequested, at(before), TraceCategory::kUnknown},
+      {TraceAction::kFreeCompleted, at(before), TraceCategory::kUnknown},
+      {TraceAction::kFreeRequested, at(reused), TraceCategory::kUnknown},
+      {TraceAction::kFreeCompleted, at(reused), TraceCategory::kUnknown},
+      {TraceAction::kFreeRequested, at(reloaded), TraceCategory::kReloaded},
+      {TraceAction::kFreeCompleted, at(reloaded), TraceCategory::kReloaded},
+  };
+  EXPECT_EQ(frees, expected);
+  EXPECT_EQ(TraceCategoryName(TraceCategory::kSavedForBackward), "saved_for_backward");
+}
+
 // As PyTorch's: an allocation's events carry the caller's size, which memory_viz draws (every
 // small tensor showed as 512 bytes, unlike the snapshot's requested_size); a segment's, its size.
 TEST_F(StatsHistoryTest, HistoryCarriesTheRequestedSizeOfAnAllocation) {

@@ -15,6 +15,13 @@ import spillway
 SIM_CAPACITY = 2 << 30
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "models: trains third-party model code (transformers, torch.compile) at a size "
+        "that takes seconds a run; the sanitizer build's run of the suite leaves these out "
+        "(scripts/test): they drive the engine along the paths the smaller tests cover")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def sim_device():
     spillway.install("sim", capacity_bytes=SIM_CAPACITY)

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.models
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
 
 

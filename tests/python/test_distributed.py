@@ -76,6 +76,36 @@ def wrap_fsdp(model):
     return make(model)
 
 
+def wrap_fsdp2(model):
+    # FSDP2: fully_shard per layer, then the root, over a CPU mesh (gloo). Each layer's
+    # parameters are gathered before its forward and freed after it (reshard_after_forward), and
+    # gathered again before its backward. A forward hook that runs before FSDP2's reshard notes
+    # where Spillway has the gathered parameters then: they must never be spilled.
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+        block.register_forward_hook(note_gathered_parameters, prepend=True)
+    return fully_shard(model, mesh=mesh)
+
+
+# Spillway's residency of each gathered parameter at the end of its layer's forward (FSDP2).
+gathered_residency = set()
+
+
+def note_gathered_parameters(module, args, output):
+    for p in module.parameters():
+        gathered_residency.add(spillway.residency(p) if spillway.installed() else "not installed")
+
+
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t  # FSDP2's shards are DTensors
+
+
 def train(wrap, offload, budget=None, extra=False):
     torch.manual_seed(0)
     model = wrap(tiny_lm.TinyLM(**CONFIG))
@@ -101,7 +131,7 @@ def train(wrap, offload, budget=None, extra=False):
         loss.backward()
         del held
         if step == STEPS - 1:
-            grads = [p.grad.detach().clone() for p in model.parameters()]
+            grads = [local(p.grad).detach().clone() for p in model.parameters()]
         optimizer.step()
         losses.append(loss.item())
     spillway.synchronize()
@@ -109,7 +139,7 @@ def train(wrap, offload, budget=None, extra=False):
     return {{
         "losses": losses,
         "grads": grads,
-        "params": [p.detach().clone() for p in model.parameters()],
+        "params": [local(p).detach().clone() for p in model.parameters()],
         "peak": after["allocated_bytes.all.peak"],
         "spills": after["spillway.num_spills"] - before["spillway.num_spills"],
         "to_host": after["spillway.bytes_to_host"] - before["spillway.bytes_to_host"],
@@ -118,6 +148,8 @@ def train(wrap, offload, budget=None, extra=False):
 
 result = {{"rank": rank}}
 wrap = wrap_ddp
+if mode == "fsdp2":
+    wrap = wrap_fsdp2
 if mode == "fsdp":
     # Whether this torch can train with FSDP on CPU over gloo at all, found before Spillway is
     # installed, so that a failure here is this torch's, never Spillway's.
@@ -137,7 +169,9 @@ if "skip" not in result:
     result["plain"] = train(wrap, offload=False)
     budget = max(1 << 20, result["plain"]["peak"] // 2)
     result["budget"] = budget
+    gathered_residency.clear()
     result["offload"] = train(wrap, offload=True, budget=budget, extra=(rank == 1))
+    result["gathered_residency"] = sorted(map(str, gathered_residency))
 dist.barrier()
 dist.destroy_process_group()
 torch.save(result, out)
@@ -218,6 +252,26 @@ def test_fsdp_training_with_offload_matches_plain(tmp_path):
         assert_bitwise_equal(off["params"], plain["params"])
         assert off["spills"] > 0, (rank, off)
     assert ranks[0]["plain"]["losses"] != ranks[1]["plain"]["losses"]
+
+
+def test_fsdp2_training_with_offload_matches_plain_and_never_spills_parameters(tmp_path):
+    """FSDP2 (fully_shard per layer and the root, 2 gloo ranks) under `auto` with half the peak
+    as its budget: losses, gradient and parameter shards bitwise equal to the run without
+    offload, activations spilled, and the gathered parameters, which FSDP2 frees after each
+    layer's forward and gathers again for its backward, never spilled."""
+    ranks = launch(tmp_path, "fsdp2")
+    for rank, r in enumerate(ranks):
+        plain, off = r["plain"], r["offload"]
+        assert off["losses"] == plain["losses"], (rank, off["losses"], plain["losses"])
+        assert_bitwise_equal(off["grads"], plain["grads"])
+        assert_bitwise_equal(off["params"], plain["params"])
+        assert off["spills"] > 0 and off["to_host"] > 0, (rank, off)
+        assert r["gathered_residency"], "the forward hook saw no gathered parameter"
+        assert set(r["gathered_residency"]) <= {"None", "resident"}, r["gathered_residency"]
+    assert ranks[0]["plain"]["losses"] != ranks[1]["plain"]["losses"]
+    # Sharded: each rank holds its own half of every parameter.
+    halves = zip(ranks[0]["offload"]["params"], ranks[1]["offload"]["params"])
+    assert not all(torch.equal(a, b) for a, b in halves)
 
 
 # --------------------------------------------------------------------------------------------

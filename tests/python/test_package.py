@@ -375,7 +375,8 @@ def test_an_install_that_names_nothing_new_is_the_same_install():
         print("installed", spillway.installed())
         for kwargs in ({"device": "sim", "conf": "offload:eager", "capacity_bytes": 64 << 20},
                        {"device": "sim"}, {"conf": "capacity_mb:64,device:sim"},
-                       {"device": "sim", "conf": "offload_min_kb:1024"}, {}, {"conf": "offload:eager"}):
+                       {"device": "sim", "conf": "offload_min_kb:1024"}, {},
+                       {"conf": "offload:eager"}):
             spillway.install(**kwargs)
             print("same install", kwargs)
         for kwargs in ({"device": "sim", "capacity_bytes": 128 << 20},

@@ -284,3 +284,72 @@ def test_command_line_names_a_device_without_data(tmp_path):
                             text=True)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "t.png").exists()
+
+
+class RunsCode:
+    """What a crafted "snapshot" holds: unpickling it calls os.system."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_pickle_that_would_run_code_is_refused_and_snapshots_still_load(tmp_path):
+    """Security review: load() was pickle.load, and snapshots are shared in bug reports: a file
+    whose __reduce__ names os.system ran the command when read."""
+    import pickle
+    marker = tmp_path / "ran"
+    crafted = tmp_path / "crafted.pickle"
+    crafted.write_bytes(pickle.dumps({"segments": [], "device_traces": [RunsCode(marker)]},
+                                     protocol=4))
+    refused = f"{os.system.__module__}.{os.system.__name__}"  # posix.system
+    try:
+        report.load(crafted)
+    except report.RefusedGlobalError as error:
+        message = str(error)
+    else:
+        raise AssertionError("the crafted pickle was loaded")
+    assert f"refused to load the global {refused}" in message, message
+    assert "only plain types" in message, message
+    assert not marker.exists()
+
+    result = run_report(crafted, "-o", tmp_path / "out.png")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"python -m spillway.report: error: cannot read snapshot {crafted}: "
+                               f"refused to load the global {refused}"), lines[0]
+    assert not marker.exists()
+    assert not (tmp_path / "out.png").exists()
+
+    # What the refusal must keep: a real snapshot with history, frames and offload events, and
+    # every plain type a snapshot may hold, at every protocol a writer may use (PyTorch's C++
+    # pickler writes protocol 2).
+    path = tmp_path / "snap.pickle"
+    spillway.record_history(True, max_entries=200000, stacks="python")
+    try:
+        model = torch.nn.Linear(256, 256)
+        with spillway.offload("eager", min_bytes=0, prefetch_bytes=0):
+            loss = model(torch.randn(512, 256)).square().mean()
+        spillway.synchronize()
+        spillway.dump_snapshot(path)
+        loss.backward()
+    finally:
+        spillway.record_history(False)
+    snap = report.load(path)
+    with open(path, "rb") as f:
+        assert snap == pickle.load(f)
+    assert snap["device_traces"][0] and snap["spillway"]["events"]
+    assert report.main([str(path), "-o", str(tmp_path / "t.png")]) == 0
+
+    plain = {"segments": [], "device_traces": [[]], "text": "é",
+             "numbers": (0, -1, 1 << 70, 2.5, float("inf")), "flags": [True, False, None],
+             "nested": {"pool": (0, 0), "empty": ((), [], {})}}
+    for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
+        if protocol >= 3:  # bytes have opcodes of their own from protocol 3 on
+            plain["raw"] = b"\x00\xff"
+        (tmp_path / "plain.pickle").write_bytes(pickle.dumps(plain, protocol=protocol))
+        assert report.load(tmp_path / "plain.pickle") == plain, protocol

@@ -16,6 +16,7 @@ VIEWER_TRACE_KEYS = {"action", "addr", "size", "stream"}
 STATES = {"active_allocated", "active_pending_free", "inactive"}
 ACTIONS = {"alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "oom",
            "snapshot"}
+CATEGORIES = {"unknown", "saved_for_backward", "spilled", "reloaded"}
 
 
 def training_step():
@@ -179,3 +180,91 @@ def test_a_frame_whose_filename_is_no_utf8_leaves_no_error_set(recorded):
               if e["action"] == "alloc" and e["addr"] == namespace["x"].data_ptr()
               for f in e["frames"]]
     assert any(f["filename"] == "?" for f in frames), frames
+
+
+def allocations(trace):
+    """The entries of each allocation in `trace` (its alloc, free_requested, free_completed), in
+    order, paired by address as PyTorch's viewer pairs them."""
+    out, live = [], {}
+    for e in trace:
+        if e["action"] == "alloc":
+            live[e["addr"]] = [e]
+            out.append(live[e["addr"]])
+        elif e["action"] in ("free_requested", "free_completed") and e["addr"] in live:
+            live[e["addr"]].append(e)
+            if e["action"] == "free_completed":
+                del live[e["addr"]]
+    return out
+
+
+def test_trace_entries_say_which_allocations_were_saved_spilled_or_reloaded(recorded):
+    """Issue #39: PyTorch's memory viewer colours allocations by the `category` of their trace
+    entries (its legend lists them); Spillway's entries had none, so a snapshot did not show what
+    offload did."""
+    spills, reloads = stat("spillway.num_spills"), stat("spillway.num_reloads")
+    x = torch.randn(256, 256, requires_grad=True)
+    with spillway.offload("off", min_bytes=0):
+        kept = x.exp()  # saves its result, which "off" never spills
+    kept_at = kept.data_ptr()
+    model, loss = training_step()  # "eager": spills what only its saves hold
+    forward = allocations(spillway.snapshot()["device_traces"][0])
+    # Live: from the block. (x itself is no saved tensor: exp saves its result only.)
+    kept_alloc = [a for a in forward if a[0]["addr"] == kept_at][-1][0]
+    assert kept_alloc["category"] == "saved_for_backward", kept_alloc
+    assert [a for a in forward if a[0]["addr"] == x.data_ptr()][-1][0]["category"] == "unknown"
+    spilled = [a for a in forward if a[0]["category"] == "spilled"]
+    assert len(spilled) == stat("spillway.num_spills") - spills > 0
+    assert all(a[1]["action"] == "free_requested" for a in spilled)  # the spill freed them
+
+    loss.backward()
+    del kept
+    snap = spillway.snapshot()
+    trace = snap["device_traces"][0]
+    after = allocations(trace)
+    reloaded = [a for a in after if a[0]["category"] == "reloaded"]
+    assert len(reloaded) == stat("spillway.num_reloads") - reloads > 0
+    # Freed since: from its free's entries.
+    kept_after = [a for a in after if a[0]["time_us"] == kept_alloc["time_us"]
+                  and a[0]["addr"] == kept_at]
+    assert [e["action"] for e in kept_after[0]] == ["alloc", "free_requested", "free_completed"]
+    assert {e["category"] for e in kept_after[0]} == {"saved_for_backward"}
+    # One category for all of an allocation's entries, "unknown" among them (the gradients);
+    # segment events have none.
+    for entries in after:
+        assert len({e["category"] for e in entries}) == 1, entries
+    assert {a[0]["category"] for a in after} == CATEGORIES
+    for e in trace:
+        assert ("category" in e) == (e["action"] in ("alloc", "free_requested",
+                                                     "free_completed")), e
+    pickle.loads(pickle.dumps(snap, protocol=4))  # still plain types only
+
+
+def test_completed_frees_and_segments_carry_the_frames_of_their_allocation():
+    """PyTorch's allocator gives a free_completed entry the frames of the allocation it ends, and a
+    segment (its segment_alloc and segment_free entries too) those of the allocation that made it;
+    Spillway's had none, and the viewer said a freed block had no frames."""
+    spillway.empty_cache()  # no cached segment to serve the allocation below
+    spillway.record_history(True, "alloc", "python", 1000)  # no frames gathered at frees
+    try:
+        def make_and_drop():
+            x = torch.empty((300 << 20) + 4096, dtype=torch.uint8)  # a segment of its own
+            segments = [s for s in spillway.snapshot()["segments"]
+                        if s["address"] == x.data_ptr()]
+            return x.data_ptr(), segments
+
+        address, segments = make_and_drop()
+        spillway.empty_cache()
+        trace = [e for e in spillway.snapshot()["device_traces"][0] if e["addr"] == address]
+    finally:
+        spillway.record_history(False)
+
+    def frames(action):
+        [entry] = [e for e in trace if e["action"] == action]
+        return entry["frames"]
+
+    assert any(f["name"] == "make_and_drop" for f in frames("alloc")), trace
+    assert frames("free_requested") == []
+    assert frames("free_completed") == frames("alloc")
+    assert frames("segment_alloc") == frames("alloc")
+    assert frames("segment_free") == frames("alloc")
+    assert len(segments) == 1 and segments[0]["frames"] == frames("alloc")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import spillway
-from conftest import assert_bitwise_equal, grads_of, stat
+from conftest import assert_bitwise_equal, grads_of, run_script, stat
 
 MIB = 1 << 20
 
@@ -126,3 +126,67 @@ def test_snapshot_holder_counts_are_exact_after_a_storage_object_was_made(touch)
     block = spillway.snapshot()["spillway"]["blocks"][address]
     assert block["external_holders"] == 0
     loss.backward()
+
+
+_THREADS_SCRIPT = """
+    import threading, torch, spillway
+    spillway.install("sim", capacity_bytes=1 << 30)
+    spillway.record_history(True, stacks="python")  # allocations and frees take the GIL for stacks
+    torch.set_num_threads(1)
+
+    def run(seed, steps, out):
+        gen = torch.Generator().manual_seed(seed)  # torch's default generator is the process's
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)])
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.06)
+        x = torch.randn(1024, 256, generator=gen)
+        grads = []
+        for _ in range(steps):
+            # A budget below what the threads hold: backward's kernels, which run without the GIL,
+            # spill from their allocations (the budget's pressure handler).
+            with spillway.offload("auto", budget_bytes=8 << 20, min_bytes=0):
+                h = x
+                for layer in model:
+                    h = torch.tanh(layer(h))
+                    h.untyped_storage()  # a storage object, made and dropped
+                    s = h.untyped_storage()  # ... and one alive across the next save
+                loss = h.square().mean()
+            del s
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        out[seed] = grads
+
+    alone = {}
+    for seed in range(4):
+        run(seed, 3, alone)
+    together = {}
+    threads = [threading.Thread(target=run, args=(seed, 3, together)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    same = all(torch.equal(a, b) for seed in range(4)
+               for step_a, step_b in zip(alone[seed], together[seed])
+               for a, b in zip(step_a, step_b))
+    stats = spillway.memory_stats()
+    print("spilled", stats["spillway.bytes_to_host"], "same", same, "entries",
+          stats["spillway.num_entries"])
+"""
+
+
+def test_threads_saving_reading_and_dropping_storages_with_python_objects():
+    """Four Python threads train at once under `auto` with a small budget, with storage objects
+    made in forward and Python stacks recorded at every allocation and free: nothing under the
+    locks of the engine or the allocator waits for the GIL (the stack recorder and, from torch
+    2.10, a storage's last release take it). Backward's kernels run without the GIL and spill
+    from their allocations under the engine's lock while other threads, holding the GIL, save:
+    with the recorder called there, it hung. Bounded: a hang fails on the timeout. Each thread's
+    gradients equal those of the same run alone."""
+    result = run_script(_THREADS_SCRIPT, timeout=120)
+    assert result.returncode == 0, result.stderr[-4000:]
+    words = result.stdout.split()
+    assert int(words[words.index("spilled") + 1]) > 0, result.stdout
+    assert words[words.index("same") + 1] == "True", result.stdout
+    assert words[words.index("entries") + 1] == "0", result.stdout

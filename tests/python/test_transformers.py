@@ -16,6 +16,7 @@ import spillway
 from conftest import run_script
 
 pytest.importorskip("transformers")
+pytestmark = pytest.mark.models
 
 import hf_train  # noqa: E402 - after the skip: it builds transformers models
 
