@@ -85,6 +85,7 @@ def main():
     print(json.dumps({"losses": losses, "grads": digest,
                       "peak_allocated": stats["allocated_bytes.all.peak"],
                       "bytes_to_host": stats["spillway.bytes_to_host"],
+                      "bytes_to_device": stats["spillway.bytes_to_device"],
                       "stall_us": stats["spillway.stall_us"],
                       "num_stalls": stats["spillway.num_stalls"]}))
 

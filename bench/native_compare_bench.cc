@@ -31,9 +31,9 @@
 #include <vector>
 
 #include "allocator/config.h"
-#include "allocator/process_allocator.h"
 #include "bench/random_churn.h"
 #include "bench/trace_file.h"
+#include "capi/process_allocator.h"
 #include "hooks/cuda_allocator.h"
 
 namespace spillway {

@@ -8,8 +8,8 @@
 
 #include "allocator/config.h"
 #include "allocator/errors.h"
-#include "allocator/process_allocator.h"
 #include "allocator/sim_backend.h"
+#include "capi/process_allocator.h"
 #include "hooks/cuda_allocator.h"
 #include "hooks/runtime.h"
 #include "hooks/saved_tensors.h"

@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_format.h"
 #include "allocator/errors.h"
-#include "allocator/process_allocator.h"
+#include "capi/process_allocator.h"
 #include "hooks/sim_cpu_allocator.h"
 
 #if defined(SPILLWAY_TORCH_CUDA)

@@ -7,7 +7,7 @@
 #include <memory>
 
 #include "allocator/errors.h"
-#include "allocator/process_allocator.h"
+#include "capi/process_allocator.h"
 
 namespace spillway::torch_layer {
 

@@ -18,7 +18,9 @@
 // Policies: `eager` spills every eligible entry at the next save or at the end of forward; `auto`
 // holds allocated device bytes under its budget: the allocator calls the engine before an
 // allocation that would pass the budget (CachingAllocator::SetPressureHandler), and the engine
-// spills the oldest eligible entries outside the prefetch window until that allocation fits.
+// gives back prefetches nobody read yet, then spills the oldest eligible entries outside the
+// prefetch window, until that allocation fits. Backward prefetches ahead of each read: a fixed
+// window, or by default an adaptive depth (OffloadConfig::prefetch_bytes, Prefetch).
 //
 // Thread-safe: one recursive mutex, because reloading allocates and an allocation may call back
 // into the engine (the out-of-memory rescue, the budget handler) on the same thread.

@@ -151,6 +151,9 @@ struct OffloadEngine::DeviceContext {
   // The most bytes spilled at once since the latest forward began: an adaptive prefetch reloads
   // at most an eighth of it ahead (beyond the next save).
   size_t spilled_high = 0;
+  // Bytes of prefetches `auto` gave back under its budget since the latest forward began: room
+  // backward's own allocations needed, which an adaptive prefetch leaves to them.
+  size_t prefetch_room_taken = 0;
   // A save was read since the last save: the next save starts another forward, whose footprint
   // is its own (a larger one before, an evaluation's or another batch size's, says nothing).
   bool read_since_save = false;

@@ -29,7 +29,7 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   // Forward's footprint, which adaptive prefetch keeps backward within (the saved bytes are still
   // allocated now: a policy spills them only below).
   DeviceContext& dc = Device(e.device);
-  if (dc.read_since_save) dc.saving_high = dc.spilled_high = 0;
+  if (dc.read_since_save) dc.saving_high = dc.spilled_high = dc.prefetch_room_taken = 0;
   dc.read_since_save = false;
   dc.saving_high = std::max(dc.saving_high, AllocatedBytes(e.device));
   // Saved before, and other saves since: backward reads it first at this save. Auto's spill order

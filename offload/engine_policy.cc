@@ -24,10 +24,10 @@ void OffloadEngine::Prefetch(int device, uint64_t before_seq, StreamRef consumer
   DeviceContext& dc = Device(device);
   size_t& prefetched = dc.prefetched_bytes;
   uint64_t cursor = before_seq;  // newest first, from just below `before_seq`
-  // A fixed window: up to its bytes. Adaptive: as deep as forward's footprint leaves room for
-  // (below). No timing decides it: on CUDA the host runs ahead of the device, so when backward
-  // asks for a save says nothing of when the device reads it, and depth only helps there (the
-  // copies wait for the consumer stream to reach the read that asked, then run back to back).
+  // A fixed window: up to its bytes. Adaptive: the bounds below. No timing decides the depth: on
+  // CUDA the host runs ahead of the device, so when backward asks for a save says nothing of when
+  // the device reads it, and depth only helps there (the copies wait for the consumer stream to
+  // reach the read that asked, then run back to back).
   while (!window.has_value() || prefetched < *window) {
     auto it = offloaded_.lower_bound(cursor);
     if (it == offloaded_.begin()) break;
@@ -54,8 +54,9 @@ void OffloadEngine::Prefetch(int device, uint64_t before_seq, StreamRef consumer
     // top: prefetching does not raise the peak, nor fill `auto`'s budget only to be given back
     // at backward's next allocation.
     if (!window.has_value() && prefetched > 0) {
-      const size_t ceiling = std::min(budget, dc.saving_high);
-      if (prefetched + e.nbytes > dc.spilled_high / 8 || after > ceiling - ceiling / 16) break;
+      size_t ceiling = std::min(budget, dc.saving_high);
+      ceiling -= std::min(ceiling, ceiling / 16 + dc.prefetch_room_taken);
+      if (prefetched + e.nbytes > dc.spilled_high / 8 || after > ceiling) break;
     }
     try {
       PolicyScope scope(in_policy_);
@@ -129,7 +130,12 @@ void OffloadEngine::SpillToBudget(int device, size_t incoming_bytes) {
   // Prefetches nobody read yet go first: their host copies are still there, so one costs no copy
   // now (a reload later, if backward gets to it), where a spill costs one each way. Without this,
   // backward's own allocations landed on top of the prefetches and passed the budget.
-  GiveBackPrefetches(device, goal);
+  const size_t given_back = GiveBackPrefetches(device, goal);
+  // What backward needed was that room: an adaptive prefetch leaves it from now on, rather than
+  // refill it at the next read and give it back again at the next allocation (a copy each way
+  // for nothing; seen as more bytes reloaded than spilled).
+  // (Only then is the device's context asked for: on CUDA, making one makes streams there.)
+  if (given_back > 0) Device(device).prefetch_room_taken += given_back;
   if (AllocatedBytes(device) > goal) SpillOldest(device, goal, false);
 }
 

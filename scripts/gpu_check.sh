@@ -16,137 +16,30 @@
 # one that would start with under 10 s left is reported as NO-TIME, which fails the check.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-out=${1:?usage: scripts/gpu_check.sh OUTDIR}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-start=$(date +%s)
+# shellcheck source=scripts/gpu_common.sh
+source "$root/scripts/gpu_common.sh"  # the step helpers, environment, dependencies and build
+gpu_begin "${1:?usage: scripts/gpu_check.sh OUTDIR}" "${SPILLWAY_GPU_CHECK_BUDGET_S:-450}" 32 check
 build=$root/build-gpu
-py=${SPILLWAY_GPU_PYTHON:-python3}
-declare -a summary=()
-failed=0
-budget=${SPILLWAY_GPU_CHECK_BUDGET_S:-450}
 
-elapsed() { echo $(($(date +%s) - start)); }
-left() { echo $((budget - $(elapsed))); }
-record() {  # record STEP RESULT DETAIL
-  summary+=("$(printf '| %-32s | %-7s | %s |' "$1" "$2" "$3")")
-  case $2 in FAIL | NO-TIME) failed=1 ;; esac
-  echo "[$(elapsed) s] $1: $2 $3"
-}
-run_step() {  # run_step LOGNAME TIMEOUT_S CMD...: output to OUTDIR/LOGNAME.log; 125 = no time
-  local log=$out/$1.log limit=$2 rest
-  shift 2
-  rest=$(left)
-  if [ "$rest" -lt 10 ]; then
-    echo "not run: the check's ${budget} s budget is spent" >"$log"
-    return 125
-  fi
-  [ "$limit" -gt "$rest" ] && limit=$rest
-  timeout "$limit" "$@" >"$log" 2>&1
-}
-verdict() {  # verdict RC: PASS, FAIL, or NO-TIME when the budget left no time to run it (a
-  # failure of the check too: what did not run is not known to pass)
-  case $1 in 0) echo PASS ;; 125) echo NO-TIME ;; *) echo FAIL ;; esac
-}
-
-# --- environment ---------------------------------------------------------------------------
-{
-  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
-  "$py" -c 'import torch, sys; print("python", sys.version.split()[0]); print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(), "devices", torch.cuda.device_count())' 2>&1
-  (nvcc --version 2>/dev/null || /usr/local/cuda/bin/nvcc --version 2>/dev/null) | tail -1
-  echo "cores $(nproc)"
-  echo "nvcc at: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || echo none)"
-  cmake --version 2>&1 | head -1
-  "${CXX:-c++}" --version 2>&1 | head -1
-  "$py" -c 'import torch.utils; print("torch cmake prefix", torch.utils.cmake_prefix_path)' 2>&1
-} >"$out/env.txt"
-cat "$out/env.txt"
-gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
-torch_line=$(grep -m1 '^torch [0-9]' "$out/env.txt")
-record "environment" INFO "${gpu:-no GPU}, driver ${driver:-?}; $torch_line"
-
-# --- dependencies: the system's, else build-deps/ from scripts/gpu_deps ------------------------
-# torch's CMake configuration looks for the CUDA toolkit's nvcc.
-[ -x /usr/local/cuda/bin/nvcc ] && export PATH="/usr/local/cuda/bin:$PATH" \
-  CUDAToolkit_ROOT=${CUDAToolkit_ROOT:-/usr/local/cuda}
-deps=$root/build-deps/prefix/usr
-prefix_path=""
-if [ -d "$deps" ]; then
-  prefix_path="$deps/lib/x86_64-linux-gnu/cmake;$deps/lib/cmake;$deps"
-  export LD_LIBRARY_PATH="$deps/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-fi
-# Python packages at requirements.txt's pins, from build-deps/wheels alone (gpu_deps wrote the
-# lists there). Into $py's own environment: the machine is new every lease, and its python3 is a
-# venv holding torch, so a --system-site-packages venv made from it would not see torch. A system
-# python3 that refuses (PEP 668) gets --break-system-packages. torch stays: no torch, triton or
-# nvidia-* wheel is there, what needs torch comes --no-deps (nodeps.txt), and it is checked after.
-wheels=$root/build-deps/wheels
-if [ -f "$wheels/requirements.txt" ]; then
-  pip_wheels() {  # pip_wheels PIP-INSTALL-ARGS...
-    local args=(install --no-index --find-links "$wheels" --quiet --no-compile
-      --disable-pip-version-check "$@") log rc
-    log=$("$py" -m pip "${args[@]}" 2>&1)
-    rc=$?
-    printf '%s\n' "$log"  # on success too: pip's warnings of conflicts with what was there
-    [ $rc = 0 ] && return 0
-    case $log in *externally-managed-environment*) ;; *) return 1 ;; esac
-    echo "retrying with --break-system-packages"
-    "$py" -m pip "${args[@]}" --break-system-packages
-  }
-  export -f pip_wheels
-  export wheels py
-  torch_was=$("$py" -c 'import torch; print(torch.__version__)' 2>&1 | tail -1)
-  run_step wheels 120 bash -c 'pip_wheels -r "$wheels/requirements.txt" &&
-    pip_wheels --no-deps -r "$wheels/nodeps.txt"'
-  rc=$?
-  torch_now=$("$py" -c 'import torch; print(torch.__version__)' 2>&1 | tail -1)
-  versions=$("$py" -c 'import importlib.metadata as m, sys
-def v(name):
-    try:
-        return m.version(name)
-    except m.PackageNotFoundError:
-        return "-"
-print(", ".join(n + " " + v(n) for n in sys.argv[1:]))' transformers accelerate pytest pybind11 \
-    numpy trl 2>&1 | tail -1)
-  if [ "$torch_now" != "$torch_was" ]; then
-    record "python wheels (build-deps)" FAIL "torch changed: $torch_was -> $torch_now"
-  elif [ $rc = 0 ]; then
-    record "python wheels (build-deps)" PASS "$versions"
-  else
-    last=$(tail -3 "$out/wheels.log" | tr '\n' ' ' | cut -c1-150)
-    record "python wheels (build-deps)" "$(verdict $rc)" "now $versions; wheels.log ends: $last"
-  fi
-else
-  record "python wheels (build-deps)" INFO "no build-deps/wheels: the machine's own packages"
-fi
+# --- environment, dependencies (gpu_common.sh) ------------------------------------------------
+gpu_environment ""
+gpu_dependencies transformers accelerate pytest pybind11 numpy trl
+# pytest from build-deps/prefix (Debian's python3-pytest) for a python3 that lacks it.
 if ! "$py" -c 'import pytest' 2>/dev/null && [ -d "$deps/lib/python3/dist-packages" ]; then
   export PYTHONPATH="$deps/lib/python3/dist-packages${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 # --- build -----------------------------------------------------------------------------------
-configure_and_build() {  # configure_and_build BUILD_DIR [CMAKE ARGS...]
-  local dir=$1
-  shift
-  cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DPython3_EXECUTABLE="$(command -v "$py")" -DSPILLWAY_WITH_FUZZ=OFF \
-    -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
-    -DCMAKE_PREFIX_PATH="$prefix_path" "$@" && cmake --build "$dir" -j "$(nproc)"
-}
-export -f configure_and_build  # run_step runs it under timeout, in a child shell
-export root py prefix_path
 built=0  # 1: with the torch layer; 2: without it (the torch build failed)
-if run_step build 330 bash -c 'configure_and_build "$@"' _ "$build"; then
+if build_step build 330 "$build"; then
   built=1
   adapter=no
   [ -x "$build/bench/spillway_native_compare_bench" ] && adapter=yes
   record "build" PASS "$(elapsed) s; c10 adapter: $adapter"
 else
-  record "build" FAIL "see build.log (last lines: $(tail -3 "$out/build.log" | tr '\n' ' ' | cut -c1-150))"
+  record "build" FAIL "see build.log (last lines: $(log_end build.log 3))"
   build=$root/build-gpu-notorch
-  if run_step build_notorch 200 bash -c 'configure_and_build "$@"' _ "$build" \
-      -DSPILLWAY_WITH_TORCH=OFF; then
+  if build_step build_notorch 200 "$build" -DSPILLWAY_WITH_TORCH=OFF; then
     built=2
     record "build without torch layer" PASS "$(elapsed) s (C++ suites and CUDA bench only)"
   else
@@ -297,11 +190,7 @@ fi
 
 # --- summary (last) --------------------------------------------------------------------------
 {
-  echo
-  echo "Spillway GPU check, $(date -u +%Y-%m-%d), $(elapsed) s"
-  echo "| step                             | result  | detail |"
-  echo "|----------------------------------|---------|--------|"
-  printf '%s\n' "${summary[@]}"
+  summary_table "Spillway GPU check, $(date -u +%Y-%m-%d), $(elapsed) s"
   if [ -f "$out/native_compare.md" ]; then
     echo
     cat "$out/native_compare.md"

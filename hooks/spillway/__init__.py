@@ -26,6 +26,7 @@ from ._api import (
     residency,
     set_per_process_memory_fraction,
     snapshot,
+    spill_after,
     synchronize,
 )
 
@@ -61,5 +62,6 @@ __all__ = [
     "residency",
     "set_per_process_memory_fraction",
     "snapshot",
+    "spill_after",
     "synchronize",
 ]

@@ -4,8 +4,8 @@
  * default; device:sim,capacity_mb:N for the simulated device). Functions never throw: on error
  * spillway_malloc returns NULL, the others do nothing, and spillway_last_error() returns the
  * message of the calling thread's last error ("" if none). */
-#ifndef SPILLWAY_ALLOCATOR_C_API_H_
-#define SPILLWAY_ALLOCATOR_C_API_H_
+#ifndef SPILLWAY_CAPI_C_API_H_
+#define SPILLWAY_CAPI_C_API_H_
 
 #include <stddef.h>
 
@@ -38,4 +38,4 @@ int spillway_split_config(const char* text, char* spillway_out, size_t spillway_
 }
 #endif
 
-#endif /* SPILLWAY_ALLOCATOR_C_API_H_ */
+#endif /* SPILLWAY_CAPI_C_API_H_ */

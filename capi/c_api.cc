@@ -1,4 +1,4 @@
-#include "allocator/c_api.h"
+#include "capi/c_api.h"
 
 #include <cstring>
 #include <exception>
@@ -6,7 +6,7 @@
 
 #include "allocator/config.h"
 #include "allocator/errors.h"
-#include "allocator/process_allocator.h"
+#include "capi/process_allocator.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "allocator/process_allocator.h"
+#include "capi/process_allocator.h"
 
 #include <memory>
 #include <mutex>
