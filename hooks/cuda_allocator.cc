@@ -110,7 +110,7 @@ void CopyStatArray(const StatArray& from, C10StatArray& to) {
 
 class SpillwayCudaAllocator final : public Base {
  public:
-  // Announces an out-of-memory error met under the offload engine's lock (see Guard).
+  // Announces an out-of-memory error met inside an offload engine operation (see Guard).
   void AnnounceOutOfMemory(const OutOfMemoryError& error) { NotifyOom(error); }
   explicit SpillwayCudaAllocator(CachingAllocator& allocator) : alloc_(allocator) {}
 
@@ -353,10 +353,10 @@ class SpillwayCudaAllocator final : public Base {
       return fn();
     } catch (const OutOfMemoryError& e) {
       // A speculative allocation's miss (a prefetch) is no out-of-memory error to announce. One
-      // made under the offload engine's lock (a reload for backward) is announced by the engine's
-      // caller once that lock is released (NotifyOutOfMemory): an observer may be Python, and
-      // waiting for the GIL under the engine's lock could deadlock against a Python thread that
-      // waits for the engine.
+      // made inside an offload engine operation (a reload for backward, allocated with the
+      // engine's lock released while another thread may wait for that reload) is announced by the
+      // engine's caller once the operation is over (NotifyOutOfMemory): an observer may be
+      // Python, and waiting for the GIL there could deadlock against a thread that holds it.
       if (!SpeculativeAllocations::Active() && !OffloadEngine::InsideEngineOnThisThread()) {
         NotifyOom(e);
       }
@@ -396,8 +396,8 @@ class SpillwayCudaAllocator final : public Base {
     ContextGatherer gatherer;
     if (enabled && recorder != nullptr && when != cca::RecordContext::NEVER) {
       gatherer = [recorder]() -> TraceContext {
-        // torch's recorder takes the GIL for Python frames. Reloads allocate under the offload
-        // engine's lock, where waiting for the GIL could deadlock against a Python thread that
+        // torch's recorder takes the GIL for Python frames. Reloads allocate inside an offload
+        // engine operation, where waiting for the GIL could deadlock against a Python thread that
         // waits for the engine: those allocations carry no context (as in snapshot.cc).
         if (OffloadEngine::InsideEngineOnThisThread()) return nullptr;
         return WrapC10Context(recorder());

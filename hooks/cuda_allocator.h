@@ -26,8 +26,8 @@ namespace spillway::torch_layer {
 // True when this build contains the adapter (a CUDA torch >= 2.4).
 bool HasCudaAllocator();
 // Runs the adapter's out-of-memory observers (PyTorch's, which may be Python) for `error`, which
-// an allocation under the offload engine's lock met: the adapter leaves those to the engine's
-// caller, to call once no lock of Spillway's is held. Nothing without an adapter.
+// an allocation inside an offload engine operation (a reload) met: the adapter leaves those to the
+// engine's caller, to call once the operation is over. Nothing without an adapter.
 void NotifyOutOfMemory(const OutOfMemoryError& error);
 // Stores the adapter over `allocator` as PyTorch's CUDA allocator (process lifetime); its
 // empty_cache() runs `empty_cache` when given (the allocator's and the offload engine's caches:

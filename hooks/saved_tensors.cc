@@ -107,7 +107,7 @@ at::Tensor SavedHandle::Unpack() const {
     engine.Acquire(id_, consumer);
     if (runtime.host_consumers()) engine.WaitResident(id_);
   } catch (const OutOfMemoryError& e) {
-    // The reload's allocation was made under the engine's lock, so PyTorch's out-of-memory
+    // The reload's allocation was made inside the engine's operation, so PyTorch's out-of-memory
     // observers hear of it only now. Out of memory stays out of memory
     // (torch.cuda.OutOfMemoryError), so that programs that catch it to shrink their batch see it
     // as such.

@@ -45,7 +45,7 @@ PyFrameObject* FrameBack(PyFrameObject* frame) {
 
 // Python frames of the allocating thread, innermost first. PyTorch releases the GIL inside ops,
 // so it is taken here, as PyTorch's own stack gathering does. The allocator never calls this with
-// its locks held; allocations the offload engine makes (reloads) happen under the engine's lock,
+// its locks held; allocations the offload engine makes (reloads) happen inside an engine operation,
 // where waiting for the GIL could deadlock against a Python thread waiting for the engine: those
 // carry no frames.
 TraceContext GatherPythonFrames() {

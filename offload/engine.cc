@@ -9,13 +9,16 @@
 #include "allocator/errors.h"
 #include "allocator/format.h"
 #include "allocator/history.h"
+#include "allocator/speculative.h"
 #include "offload/engine_internal.h"
 
 // Residency and copies: spill, reload, drop, synchronization. Keepers are registered in
 // engine_keepers.cc, copy failures handled in engine_failures.cc.
 namespace spillway {
 
-thread_local int engine_depth = 0;
+thread_local int engine_ops = 0;
+thread_local const void* engine_lock_holder = nullptr;
+thread_local bool engine_prefetching = false;
 
 namespace {
 thread_local std::vector<std::shared_ptr<Storage>> deferred_releases;
@@ -34,23 +37,7 @@ void ReleaseDeferred() noexcept {
   }
 }
 
-bool OffloadEngine::InsideEngineOnThisThread() { return engine_depth > 0; }
-
-std::string_view ResidencyName(Residency residency) {
-  switch (residency) {
-    case Residency::kResident:
-      return "resident";
-    case Residency::kSpilling:
-      return "spilling";
-    case Residency::kSpilled:
-      return "spilled";
-    case Residency::kReloading:
-      return "reloading";
-    case Residency::kFailed:
-      return "failed";
-  }
-  return "unknown";
-}
+bool OffloadEngine::InsideEngineOnThisThread() { return engine_ops > 0; }
 
 void OffloadEngine::Note(OffloadEvent::Kind kind, const Entry& e) {
   if (events_.size() == kMaxEvents) events_.pop_front();
@@ -67,10 +54,16 @@ const OffloadConfig& CheckedOffloadConfig(const OffloadConfig& config) {
 // Checked before the engine registers its callbacks with the allocator, so a refused
 // configuration leaves nothing behind.
 OffloadEngine::OffloadEngine(CachingAllocator& allocator, const OffloadConfig& config)
-    : allocator_(allocator), backend_(allocator.backend()), config_(CheckedOffloadConfig(config)) {
-  devices_.resize(static_cast<size_t>(allocator_.device_count()));
-  windows_.resize(devices_.size());
-  spilled_by_device_.resize(devices_.size());
+    : allocator_(allocator),
+      backend_(allocator.backend()),
+      config_(CheckedOffloadConfig(config)),
+      copies_(allocator, config_.host_limit_bytes,
+              [this](int device, Residency direction, const std::string& why) {
+                FailInFlight(device, direction, why);
+              }),
+      table_(static_cast<size_t>(allocator.device_count())),
+      devices_(static_cast<size_t>(allocator.device_count())) {
+  table_.SetWindowLimit(WindowLimit(config_));
   oom_callback_id_ = allocator_.AddFreeMemoryCallback(
       [this](int device, size_t bytes) { return ReleaseMemory(device, bytes); });
   allocator_.SetPressureHandler(
@@ -98,46 +91,21 @@ void OffloadEngine::DetachFromAllocator() {
 
 OffloadEngine::~OffloadEngine() {
   DetachFromAllocator();
-  EngineLock lock(mutex_);
+  EngineLock lock(mutex_, this);
   try {
-    Synchronize();
+    SynchronizeLocked();
   } catch (const std::exception&) {
   }
-  // Entries still alive give their host copies back before the pools go, and their storages
-  // once the lock is released (DeferRelease).
-  for (auto& [key, entry] : entries_) {
+  // Entries still alive give their host copies back before the pools go (with copies_), and
+  // their storages once the lock is released (DeferRelease).
+  for (std::unique_ptr<Entry>& entry : table_.TakeAll()) {
     ReleaseHost(*entry, std::nullopt);
     DeferRelease(std::move(entry->storage));
   }
-  for (auto& [key, set_aside] : detached_) {
-    for (auto& entry : set_aside) {
-      ReleaseHost(*entry, std::nullopt);
-      DeferRelease(std::move(entry->storage));
-    }
-  }
-  entries_.clear();
-  detached_.clear();
-}
-
-OffloadEngine::DeviceContext& OffloadEngine::Device(int device) {
-  auto& slot = devices_.at(static_cast<size_t>(device));
-  if (slot == nullptr) slot = std::make_unique<DeviceContext>(backend_, device, config_);
-  return *slot;
-}
-
-EventHandle OffloadEngine::TakeEvent(DeviceContext& dc) {
-  if (!dc.spare.empty()) {
-    EventHandle e = dc.spare.back();
-    dc.spare.pop_back();
-    return e;
-  }
-  EventHandle e = backend_.create_event(dc.device);
-  dc.events.push_back(e);
-  return e;
 }
 
 void OffloadEngine::WaitResident(KeeperId id) {
-  EngineLock lock(mutex_);
+  EngineLock lock(mutex_, this);
   Entry& e = EntryOf(id);
   // Through Refresh: a failed copy found by this wait (this entry's or another's) must mark the
   // entries it may belong to failed, not escape with the entry left to pass for resident.
@@ -152,41 +120,23 @@ void OffloadEngine::ThrowLost(const Entry& e) {
 
 void OffloadEngine::Drop(Entry& e) {
   DiscardCopies(e);
-  if (e.copy_done != nullptr) Device(e.device).spare.push_back(e.copy_done);
-  if (e.spill_done != nullptr) Device(e.device).spare.push_back(e.spill_done);
-  by_seq_.erase(e.seq);
-  spill_candidates_.erase(e.seq);
-  WindowRemove(e);
-  // (Not listed in offloaded_ any more: each save's listing went with its last keeper.)
+  if (e.copy_done != nullptr) copies_.Spare(e.device, e.copy_done);
+  if (e.spill_done != nullptr) copies_.Spare(e.device, e.spill_done);
   --stats_.num_entries;
-  // Taken out of its map, which is left whole before `e` is destroyed (at the end of this scope).
-  // The engine's hold on the storage goes once no engine lock is held (DeferRelease).
-  std::unique_ptr<Entry> gone;
-  const void* const key = e.key;
-  if (const auto current = entries_.find(key);
-      current != entries_.end() && current->second.get() == &e) {
-    gone = std::move(current->second);
-    entries_.erase(current);
-  } else {  // set aside: the storage has a newer entry
-    auto set_aside = detached_.find(key);
-    std::vector<std::unique_ptr<Entry>>& aside = set_aside->second;
-    const auto it = std::find_if(aside.begin(), aside.end(),
-                                 [&e](const std::unique_ptr<Entry>& d) { return d.get() == &e; });
-    gone = std::move(*it);
-    aside.erase(it);
-    if (aside.empty()) detached_.erase(set_aside);
-  }
+  // Out of the table, which is left whole before the entry is destroyed (at the end of this
+  // scope). The engine's hold on the storage goes once no engine lock is held (DeferRelease).
+  std::unique_ptr<Entry> gone = table_.Erase(e);
   DeferRelease(std::move(gone->storage));
 }
 
 void OffloadEngine::MarkReleased(const void* key, const std::string& why) {
-  EngineLock lock(mutex_);
-  const auto it = entries_.find(key);
-  if (it == entries_.end()) return;
-  Entry& e = *it->second;
+  EngineLock lock(mutex_, this);
+  Entry* const entry = table_.Current(key);
+  if (entry == nullptr) return;
+  Entry& e = *entry;
   DiscardCopies(e);
   // Never reloaded now: its bytes must not hold the prefetch window against older entries.
-  WindowRemove(e);
+  table_.LeaveWindow(e);
   // Lost already (a failed copy, an earlier release): its saves keep saying why they were lost.
   if (e.state == Residency::kFailed) return;
   e.state = Residency::kFailed;
@@ -195,7 +145,7 @@ void OffloadEngine::MarkReleased(const void* key, const std::string& why) {
 
 bool OffloadEngine::EndPrefetch(Entry& e) {
   if (!e.prefetched) return false;
-  Device(e.device).prefetched_bytes -= e.nbytes;
+  State(e.device).prefetched_bytes -= e.nbytes;
   e.prefetched = false;
   return true;
 }
@@ -205,12 +155,12 @@ void OffloadEngine::DiscardCopies(Entry& e) {
   EndPrefetch(e);
   // A copy may still be reading or writing the host buffer: the pool reuses it only after the
   // stream that ran the copy has passed it.
-  const DeviceContext& dc = Device(e.device);
   const Residency copying = e.state == Residency::kFailed ? e.failed_while : e.state;
   std::optional<StreamRef> last_use;
-  if (copying == Residency::kSpilling) last_use = dc.d2h;
+  if (copying == Residency::kSpilling || copying == Residency::kReloading) {
+    last_use = copies_.stream(e.device, copying);
+  }
   if (copying == Residency::kReloading) {
-    last_use = dc.h2d;
     // The copy may still be writing the device block, and no stream need have waited for it (a
     // prefetch nobody acquired). Once freed, the block is reused in the order of the stream it
     // was allocated on, so that stream waits for the copy. (Not a stream use of the engine's
@@ -242,14 +192,9 @@ void OffloadEngine::DiscardCopies(Entry& e) {
   }
 }
 
-void OffloadEngine::FreeHostBuffer(int device, void* host, std::optional<StreamRef> last_use) {
-  // A failure heard here leaves the buffer itself safely back in the pool.
-  PoolCall(device, [&] { Device(device).pool.Free(host, last_use); });
-}
-
 void OffloadEngine::ReleaseHost(Entry& e, std::optional<StreamRef> last_use) {
   if (e.host == nullptr) return;
-  FreeHostBuffer(e.device, e.host, last_use);
+  copies_.FreeHost(e.device, e.host, last_use);
   e.host = nullptr;
   stats_.host_bytes.Decrease(static_cast<int64_t>(e.nbytes));
 }
@@ -260,7 +205,7 @@ void OffloadEngine::Refresh(Entry& e, bool wait) {
   // asks first, and the reload's own event lives on the other stream.
   if (e.spill_done != nullptr) {
     if (!CopyDone(e, e.spill_done, Residency::kSpilling, wait)) return;
-    Device(e.device).spare.push_back(e.spill_done);
+    copies_.Spare(e.device, e.spill_done);
     e.spill_done = nullptr;
   }
   if (!CopyDone(e, e.copy_done, e.state, wait)) return;
@@ -300,7 +245,7 @@ bool OffloadEngine::PolicyMaySpill(const Entry& e) {
 void OffloadEngine::CountSkipOf(Entry& e, std::string_view reason) {
   if (e.skipped_for == reason) return;
   e.skipped_for = reason;
-  CountSkip(reason);
+  CountSkipLocked(reason);
 }
 
 OffloadEngine::SpillResult OffloadEngine::Spill(Entry& e) {
@@ -317,12 +262,12 @@ OffloadEngine::SpillResult OffloadEngine::Spill(Entry& e) {
     e.policy_refused = true;
     return {SpillOutcome::kRefused};
   }
-  DeviceContext& dc = Device(e.device);
+  const StreamRef d2h = copies_.stream(e.device, Residency::kSpilling);
   absl::StatusOr<void*> host = absl::UnknownError("not tried");
   // A failure the pool hears of is an earlier copy's: asked again, it allocates (or hears of the
   // other stream's failure; then this spill is not made now).
-  const auto allocate = [&] { host = dc.pool.Allocate(e.nbytes); };
-  if (!PoolCall(e.device, allocate) && !PoolCall(e.device, allocate)) {
+  const auto allocate = [&](PinnedPool& pool) { host = pool.Allocate(e.nbytes); };
+  if (!copies_.PoolCall(e.device, allocate) && !copies_.PoolCall(e.device, allocate)) {
     CountSkipOf(e, kSkipCopyError);
     return {SpillOutcome::kRefused};
   }
@@ -336,25 +281,25 @@ OffloadEngine::SpillResult OffloadEngine::Spill(Entry& e) {
     // Spare again at once, whatever happens next: the wait captures the event when it is issued
     // (nothing takes an event between here and there), and a failed record must not leave it
     // out of the pool, one more event per failure.
-    EventHandle produced = TakeEvent(dc);
-    dc.spare.push_back(produced);
-    RecordOnProgramStream(e.device, produced, e.producer);
-    backend_.stream_wait_event(e.device, dc.d2h.handle, produced);
-    if (e.copy_done == nullptr) e.copy_done = TakeEvent(dc);
-    errors_found_before = IssueCopy(
+    EventHandle produced = copies_.TakeEvent(e.device);
+    copies_.Spare(e.device, produced);
+    copies_.RecordOnProgramStream(e.device, produced, e.producer);
+    backend_.stream_wait_event(e.device, d2h.handle, produced);
+    if (e.copy_done == nullptr) e.copy_done = copies_.TakeEvent(e.device);
+    errors_found_before = copies_.IssueCopy(
         e.device, Residency::kSpilling,
         [&] {
           backend_.memcpy_async(e.device, *host, device_ptr, e.nbytes, CopyKind::kDeviceToHost,
-                                dc.d2h.handle);
+                                d2h.handle);
         },
-        [&] { backend_.record_event(e.device, e.copy_done, dc.d2h.handle); });
+        [&] { backend_.record_event(e.device, e.copy_done, d2h.handle); });
   } catch (const ProgramStreamError&) {
-    FreeHostBuffer(e.device, *host, dc.d2h);
+    copies_.FreeHost(e.device, *host, d2h);
     throw;
   } catch (const BackendError&) {
     // Nothing of this spill ran (a failing call has no effect), or only its copy, into a buffer
     // the pool reuses after the copy stream has passed it.
-    FreeHostBuffer(e.device, *host, dc.d2h);
+    copies_.FreeHost(e.device, *host, d2h);
     CountSkipOf(e, kSkipCopyError);
     return {SpillOutcome::kRefused};
   }
@@ -363,7 +308,7 @@ OffloadEngine::SpillResult OffloadEngine::Spill(Entry& e) {
   e.host = *host;
   e.state = Residency::kSpilling;
   e.errors_found_before_copy = errors_found_before;
-  ListOffloaded(e);
+  table_.ListOffloaded(e);
   e.acquired = false;
   ++e.spill_count;
   e.last_spill_us = NowMicros();
@@ -373,28 +318,65 @@ OffloadEngine::SpillResult OffloadEngine::Spill(Entry& e) {
   stats_.host_bytes.Increase(static_cast<int64_t>(e.nbytes));
   Note(OffloadEvent::Kind::kSpill, e);
   // Reuse of the device block waits for the copy: one stream use, then the free.
-  allocator_.RecordStream(device_ptr, dc.d2h);
+  allocator_.RecordStream(device_ptr, d2h);
   e.storage->drop_device_memory();
   e.skipped_for = {};
   return {SpillOutcome::kSpilled, info->size};
 }
 
-void OffloadEngine::Reload(Entry& e, StreamRef consumer) {
-  DeviceContext& dc = Device(e.device);
+bool OffloadEngine::Reload(EngineLock& lock, Entry& e, StreamRef consumer, bool prefetch) {
+  // The memory is allocated with the engine's lock released: the allocation may run the
+  // allocator's budget handler and out-of-memory rescue, which take the lock as any caller does
+  // (and, for a prefetch, do nothing: engine_prefetching). Meanwhile the entry is `allocating`:
+  // nobody else reloads it (a read of it waits, a prefetch passes it by), nobody drops it (its
+  // last keeper's going leaves that to this call), and nothing reads its storage's pointer.
+  e.allocating = true;
   void* ptr = nullptr;
-  try {
-    ptr = e.storage->allocate_device_memory(consumer);
-  } catch (const OutOfMemoryError& oom) {
-    throw OutOfMemoryError(absl::StrFormat("Spillway could not reload a saved storage of %s: %s",
-                                           FormatBytes(e.nbytes), oom.what()),
-                           oom.requested_bytes(), oom.device());
+  std::exception_ptr failure;
+  {
+    const EngineLock::Unlocked unlocked(lock);
+    try {
+      // A prefetch is a guess: it takes free memory only, and a miss is no out-of-memory error
+      // (the ladder's waits and cache releases for it cost more than the prefetch could save).
+      std::optional<SpeculativeAllocations> speculative;
+      std::optional<PrefetchAllocation> marked;
+      if (prefetch) {
+        speculative.emplace();
+        marked.emplace();
+      }
+      ptr = e.storage->allocate_device_memory(consumer);
+    } catch (...) {
+      failure = std::current_exception();
+    }
   }
-  // The allocation may have run the out-of-memory rescue, whose waits can find this entry's own
-  // spill failed: there is nothing to reload then.
+  e.allocating = false;
+  allocated_.notify_all();
+  if (e.keepers.empty()) {  // only a prefetch's entry can go meanwhile: a read keeps its own
+    if (ptr != nullptr) e.storage->drop_device_memory();
+    Drop(e);
+    return false;
+  }
+  if (failure != nullptr) {
+    try {
+      std::rethrow_exception(failure);
+    } catch (const OutOfMemoryError& oom) {
+      throw OutOfMemoryError(absl::StrFormat("Spillway could not reload a saved storage of %s: %s",
+                                             FormatBytes(e.nbytes), oom.what()),
+                             oom.requested_bytes(), oom.device());
+    }
+  }
+  // Meanwhile the out-of-memory rescue's waits, or another thread's, may have found this entry's
+  // own spill failed, or the program released the storage by force: nothing to reload then.
   if (e.state == Residency::kFailed) {
     e.storage->drop_device_memory();
     ThrowLost(e);
   }
+  IssueReload(e, ptr, consumer);
+  return true;
+}
+
+void OffloadEngine::IssueReload(Entry& e, void* ptr, StreamRef consumer) {
+  const StreamRef h2d = copies_.stream(e.device, Residency::kReloading);
   // Reload requested while still spilling: the copy reads the host buffer only after the D2H
   // filled it, and the entry keeps that D2H's event to learn whether it did (spill_done).
   const bool after_spill = e.state == Residency::kSpilling;
@@ -404,27 +386,27 @@ void OffloadEngine::Reload(Entry& e, StreamRef consumer) {
   try {
     // The block may have been used by earlier work on the consumer stream: the H2D copy must
     // not write into it before that work is done (DeepSpeed #8186).
-    EventHandle allocated = TakeEvent(dc);
-    dc.spare.push_back(allocated);  // as in Spill: spare again whatever happens next
-    RecordOnProgramStream(e.device, allocated, consumer);
-    backend_.stream_wait_event(e.device, dc.h2d.handle, allocated);
+    EventHandle allocated = copies_.TakeEvent(e.device);
+    copies_.Spare(e.device, allocated);  // as in Spill: spare again whatever happens next
+    copies_.RecordOnProgramStream(e.device, allocated, consumer);
+    backend_.stream_wait_event(e.device, h2d.handle, allocated);
     if (after_spill) {
-      backend_.stream_wait_event(e.device, dc.h2d.handle, e.copy_done);
-      reload_done = TakeEvent(dc);
+      backend_.stream_wait_event(e.device, h2d.handle, e.copy_done);
+      reload_done = copies_.TakeEvent(e.device);
       took_reload_done = true;
     }
-    errors_found_before = IssueCopy(
+    errors_found_before = copies_.IssueCopy(
         e.device, Residency::kReloading,
         [&] {
           backend_.memcpy_async(e.device, ptr, e.host, e.nbytes, CopyKind::kHostToDevice,
-                                dc.h2d.handle);
+                                h2d.handle);
         },
-        [&] { backend_.record_event(e.device, reload_done, dc.h2d.handle); });
+        [&] { backend_.record_event(e.device, reload_done, h2d.handle); });
   } catch (const BackendError&) {
-    if (took_reload_done) dc.spare.push_back(reload_done);
+    if (took_reload_done) copies_.Spare(e.device, reload_done);
     // The copy may already be enqueued (only the copy-done record failed): the block goes back
     // with its reuse deferred until the copy stream has passed it.
-    allocator_.RecordStream(ptr, dc.h2d);
+    allocator_.RecordStream(ptr, h2d);
     e.storage->drop_device_memory();
     throw;
   }
@@ -447,19 +429,22 @@ void OffloadEngine::Reload(Entry& e, StreamRef consumer) {
 }
 
 void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
-  EngineLock lock(mutex_);
-  const Keeper& keeper = KeeperOf(id);
+  EngineLock lock(mutex_, this);
+  const Keeper& keeper = table_.KeeperOf(id);
   Entry& e = *keeper.entry;
   const uint64_t save_seq = keeper.save_seq;  // read now: the policy runs below may add keepers
+  // Another thread allocates this storage's memory for a reload (a read of another view, or a
+  // prefetch): its reload is issued once that is done, and this read waits for its copy.
+  lock.Wait(allocated_, [&e] { return !e.allocating; });
   TakeHeardFailures(e.device);  // before a reload is issued, which they would fail too
-  Device(e.device).read_since_save = true;
+  State(e.device).footprint.OnRead();
   Refresh(e);
   switch (e.state) {
     case Residency::kFailed:
       ThrowLost(e);
     case Residency::kSpilling:
     case Residency::kSpilled:
-      Reload(e, consumer);
+      Reload(lock, e, consumer, /*prefetch=*/false);
       StartStall(e);
       break;
     case Residency::kReloading:
@@ -485,7 +470,7 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
   }
   e.acquiring = true;
   try {
-    Prefetch(e.device, save_seq, consumer);
+    Prefetch(lock, e.device, save_seq, consumer);
   } catch (...) {
     e.acquiring = false;
     throw;
@@ -498,47 +483,45 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
 }
 
 void OffloadEngine::TrimHostMemory() {
-  EngineLock lock(mutex_);
+  EngineLock lock(mutex_, this);
   // Reloads that finished while nobody looked give their host copies back first.
-  for (auto& [seq, entry] : by_seq_) Refresh(*entry);
-  for (const auto& dc : devices_) {
-    if (dc != nullptr) PoolCall(dc->device, [&] { dc->pool.Trim(); });
-  }
+  for (const auto& [seq, entry] : table_.InSaveOrder()) Refresh(*entry);
+  copies_.TrimHost();
 }
 
 void OffloadEngine::Synchronize() {
-  EngineLock lock(mutex_);
+  EngineLock lock(mutex_, this);
+  SynchronizeLocked();
+}
+
+void OffloadEngine::SynchronizeLocked() {
   // Entry by entry first, so that a failed copy marks its own entry failed (see ReleaseMemory);
   // the stream-wide waits then cover the copies of entries dropped meanwhile.
-  for (auto& [seq, entry] : by_seq_) Refresh(*entry, /*wait=*/true);
-  for (const auto& dc : devices_) {
-    if (dc == nullptr) continue;
-    WaitCopyStream(dc->device, Residency::kSpilling);
-    WaitCopyStream(dc->device, Residency::kReloading);
+  for (const auto& [seq, entry] : table_.InSaveOrder()) Refresh(*entry, /*wait=*/true);
+  for (const int device : copies_.started_devices()) {
+    copies_.WaitStream(device, Residency::kSpilling);
+    copies_.WaitStream(device, Residency::kReloading);
   }
-  for (auto& [seq, entry] : by_seq_) Refresh(*entry);
+  for (const auto& [seq, entry] : table_.InSaveOrder()) Refresh(*entry);
   // The blocks spills gave back waited only for those copies: free them now, so that statistics
   // and snapshots taken after Synchronize show them free rather than pending until the next
   // allocation.
-  for (const auto& dc : devices_) {
-    if (dc != nullptr) allocator_.ProcessEvents(dc->device);
-  }
+  for (const int device : copies_.started_devices()) allocator_.ProcessEvents(device);
 }
 
 const void* OffloadEngine::window_oldest_for_testing(int device) const {
-  EngineLock lock(mutex_);
-  const Window& w = windows_.at(static_cast<size_t>(device));
-  return w.start == Window::kEmpty ? nullptr : w.sized.at(w.start)->key;
+  EngineLock lock(mutex_, this);
+  return table_.WindowOldestKey(device);
 }
 
 StreamRef OffloadEngine::h2d_stream_for_testing(int device) {
-  EngineLock lock(mutex_);
-  return Device(device).h2d;
+  EngineLock lock(mutex_, this);
+  return copies_.stream(device, Residency::kReloading);
 }
 
 StreamRef OffloadEngine::d2h_stream_for_testing(int device) {
-  EngineLock lock(mutex_);
-  return Device(device).d2h;
+  EngineLock lock(mutex_, this);
+  return copies_.stream(device, Residency::kSpilling);
 }
 
 }  // namespace spillway

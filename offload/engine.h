@@ -22,10 +22,27 @@
 // prefetch window, until that allocation fits. Backward prefetches ahead of each read: a fixed
 // window, or by default an adaptive depth (OffloadConfig::prefetch_bytes, Prefetch).
 //
-// Thread-safe: one recursive mutex, because reloading allocates and an allocation may call back
-// into the engine (the out-of-memory rescue, the budget handler) on the same thread.
+// Composed of three parts with one job each: the entry table (entries, keepers, the indices by
+// save order: offload/entry_table.h), the copy engine (streams, events, the pinned pool, copies
+// and the direction of their failures: offload/copy_engine.h) and the policies, which return
+// plans (offload/policy.h). The engine itself carries the plans out and moves entries through
+// their residency (engine.cc), attributes copy failures to entries (engine_failures.cc), and
+// answers for what it holds (engine_info.cc).
+//
+// Thread-safe: one plain mutex (EngineLock, engine_internal.h) guards all three parts, never
+// taken twice by one thread. Nothing the engine calls under it takes it again: device memory for
+// a reload or a prefetch is allocated with it released (Reload; the entry is marked `allocating`
+// meanwhile), so the allocator's budget handler (OnPressure) and out-of-memory rescue
+// (ReleaseMemory) that allocation may run take it as any other caller does; the table calls
+// nothing, the copy engine only the backend and the pinned pool, and the policies are pure. The
+// one call that comes back on the same thread is the allocator passing on a copy failure it heard
+// in a call the engine made under the lock (a free, a wait, TakeHeardFailures): OnStreamError
+// acts on it under the hold the thread has. Lock order: the GIL (when the caller holds it), the
+// engine's lock, an allocator's lock, the pinned pool's, the backend's. Nothing under the engine's
+// lock waits for the GIL, nor does a reload's allocation made with it released (see EngineLock).
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -44,49 +61,13 @@
 #include "allocator/caching_allocator.h"
 #include "allocator/config.h"
 #include "allocator/errors.h"
+#include "offload/copy_engine.h"
+#include "offload/entry_table.h"
 #include "offload/offload_stats.h"
-#include "offload/pinned_pool.h"
+#include "offload/policy.h"
 #include "offload/storage.h"
 
 namespace spillway {
-
-// A copy the program enqueued on one of its own streams failed, and a call the engine made on
-// that stream was the first to find it (backends report a failed copy once): the program's
-// error, passed on to the engine's caller rather than blamed on the engine's copies or swallowed.
-class ProgramStreamError : public BackendError {
- public:
-  explicit ProgramStreamError(const BackendError& error) : BackendError(error) {}
-};
-
-enum class Residency { kResident, kSpilling, kSpilled, kReloading, kFailed };
-std::string_view ResidencyName(Residency residency);
-
-using KeeperId = uint64_t;
-
-// What `Keepers()` reports per registered saved view.
-struct KeeperInfo {
-  KeeperId id = 0;
-  ViewInfo view;
-  // Its entry's bytes are lost (kFailed: released by force, or a copy failed): its Acquire
-  // throws. It still keeps the storage.
-  bool lost = false;
-};
-
-struct EntryInfo {
-  const void* key = nullptr;
-  void* data = nullptr;  // current device pointer; null while spilled
-  size_t nbytes = 0;
-  int device = 0;
-  Residency residency = Residency::kResident;
-  // Brought back ahead of use and not read yet: it keeps its host copy until read (or given back).
-  bool prefetched = false;
-  int64_t external_holders = 0;
-  std::vector<KeeperInfo> keepers;
-  int64_t spill_count = 0;
-  int64_t reload_count = 0;
-  int64_t last_spill_us = 0;   // wall time of the latest spill start, 0 if never
-  int64_t last_reload_us = 0;  // wall time of the latest reload start, 0 if never
-};
 
 // One change of spilled bytes, for timelines (spillway.report).
 struct OffloadEvent {
@@ -105,6 +86,8 @@ struct SaveSettings {
   bool never_spill = false;  // saved under "off": stays on the device, whatever comes later
   size_t min_bytes = 0;      // a storage smaller than this at its first save is never spilled
 };
+
+class EngineLock;  // engine_internal.h
 
 class OffloadEngine {
  public:
@@ -201,31 +184,71 @@ class OffloadEngine {
   const void* window_oldest_for_testing(int device) const;
 
  private:
-  struct Entry;
-  struct DeviceContext;
-
-  // A registered keeper: its entry, and the seq of the save that made it (the entry's seq then;
-  // a later save of the storage moves the entry to a new seq, see Resequence). Backward reads
-  // the storage at this save: prefetch goes on from the save being read.
-  struct Keeper {
-    Entry* entry = nullptr;
-    uint64_t save_seq = 0;
+  // Per device, the engine's own numbers (the streams and pool are the copy engine's).
+  struct DeviceState {
+    size_t prefetched_bytes = 0;  // reloaded ahead of use, not yet acquired
+    int64_t spilled_bytes = 0;    // see spilled_bytes(device)
+    ForwardFootprint footprint;   // what adaptive prefetch knows of the latest forward
   };
+  DeviceState& State(int device) { return devices_[static_cast<size_t>(device)]; }
 
-  DeviceContext& Device(int device);
-  // The keeper `id`, or InvalidArgumentError when it is not registered.
-  const Keeper& KeeperOf(KeeperId id) const;
+  // The unlocked bodies of public calls that other calls make under the lock.
+  void RunPolicyLocked();
+  void RemoveKeeperLocked(KeeperId id);
+  void CountSkipLocked(std::string_view reason);
+  void SynchronizeLocked();
+  size_t BudgetLocked(int device) const;
+
+  // -- Registration (engine_keepers.cc)
   // The entry a save of `key` joins: the storage's, or a new one (a failed entry whose storage
-  // has memory again is set aside in detached_). Null when the engine cannot keep the storage
-  // (empty, or not a whole block of its allocator), counted as a skip.
+  // has memory again is set aside). Null when the engine cannot keep the storage (empty, or not
+  // a whole block of its allocator), counted as a skip.
   Entry* EntryForSave(const void* key, const StorageFactory& make_storage, StreamRef producer,
                       const SaveSettings& settings);
-  Entry& EntryOf(KeeperId id) const { return *KeeperOf(id).entry; }
+  Entry& EntryOf(KeeperId id) const { return *table_.KeeperOf(id).entry; }
+  // Takes `e` out of the table with its copies; its storage goes once no engine lock is held.
+  void Drop(Entry& e);
+
+  // -- Residency and copies (engine.cc)
   // Settles a spilling or reloading entry whose copy has completed; with `wait`, blocks the host
   // until it has. A failed copy makes the entry kFailed.
   void Refresh(Entry& e, bool wait = false);
   // Counts a stall on `e` (backward waits for its reload) and when it began, once per reload.
   void StartStall(Entry& e);
+  // Throws the error of an entry whose bytes are lost (kFailed).
+  [[noreturn]] static void ThrowLost(const Entry& e);
+  bool Eligible(const Entry& e) const;
+  // Whether a policy may still spill `e` some day (it may be held by the program now). A spill
+  // makes it false, and a storage that came back is marked acquired or prefetched, so it stays
+  // false: a policy never spills a storage twice (the out-of-memory rescue may).
+  static bool PolicyMaySpill(const Entry& e);
+  // Ends `e`'s being a prefetch (acquired, given back, failed or dropped); false if it was none.
+  bool EndPrefetch(Entry& e);
+  enum class SpillOutcome { kSpilled, kRefused, kNoHostMemory };
+  struct SpillResult {
+    // kNoHostMemory: no pinned buffer of the entry's size (host_limit_mb reached, or pinning
+    // failed): no entry of the device as large can be spilled in this pass either.
+    SpillOutcome outcome = SpillOutcome::kRefused;
+    size_t block_bytes = 0;  // kSpilled: the size of the block given back (rounded)
+  };
+  SpillResult Spill(Entry& e);
+  // Brings a spilled (or spilling) entry back on `consumer`: its memory allocated with the lock
+  // released, then its copy issued. A prefetch's allocation is speculative. False when the entry
+  // went meanwhile (a prefetch's: its last keeper went on another thread); throws as Acquire.
+  bool Reload(EngineLock& lock, Entry& e, StreamRef consumer, bool prefetch);
+  void IssueReload(Entry& e, void* ptr, StreamRef consumer);
+  // Gives up the entry's host copy and any copy in flight (the storage keeps its device memory).
+  void DiscardCopies(Entry& e);
+  void ReleaseHost(Entry& e, std::optional<StreamRef> last_use);
+  // Counts `reason` for `e` unless it was the last reason counted for it: a policy may ask
+  // again at every allocation.
+  void CountSkipOf(Entry& e, std::string_view reason);
+  // Counts `e`'s bytes into (or, `spilled` false, out of) the spilled bytes, overall and of its
+  // device.
+  void CountSpilled(const Entry& e, bool spilled);
+  void Note(OffloadEvent::Kind kind, const Entry& e);
+
+  // -- Copy failures (engine_failures.cc)
   // Whether `copy` (of `e`, in `direction`) has completed; a failure it reports fails the entries
   // in flight in that direction (FailInFlight) and counts as not done. Before it trusts a
   // completed copy it takes the failures the allocator heard (TakeHeardFailures): false if they
@@ -235,65 +258,22 @@ class OffloadEngine {
   // passed on yet (OnStreamError). Called before copies are issued, which a failure heard
   // earlier must not fail, and before a completed copy is trusted.
   void TakeHeardFailures(int device);
-  // Throws the error of an entry whose bytes are lost (kFailed).
-  [[noreturn]] static void ThrowLost(const Entry& e);
-  bool Eligible(const Entry& e) const;
-  // Whether a policy may still spill `e` some day (it may be held by the program now). A spill
-  // makes it false, and a storage that came back is marked acquired or prefetched, so it stays
-  // false: a policy never spills a storage twice (the out-of-memory rescue may).
-  static bool PolicyMaySpill(const Entry& e);
-  // Calls `visit(entry)` for the spill candidates older than `before_seq`, oldest first, dropping
-  // those that no longer may be spilled; stops when `visit` returns false. By seq cursor: a
-  // visit may spill, and a spill may run the rescue, which changes the candidates.
-  template <typename Visit>
-  void VisitSpillCandidates(uint64_t before_seq, Visit visit);
-  // Ends `e`'s being a prefetch (acquired, given back, failed or dropped); false if it was none.
-  bool EndPrefetch(Entry& e);
   void MarkFailed(Entry& e, const std::string& why);
-  static EntryInfo DescribeEntry(const Entry& e);
   // Fails the entries whose copy is in flight in direction `in_flight` on `device`. A failure the
   // device's allocator found (`found_seq`, its StreamError::seq) spares the copies enqueued
   // after it was found: it belongs to an earlier one.
   void FailInFlight(int device, Residency in_flight, const std::string& why,
                     std::optional<uint64_t> found_seq = std::nullopt);
+  // The allocator's stream-error observer: takes the lock, unless this thread holds it already
+  // (the error was heard in an allocator call the engine made under it), then ActOnStreamError.
   void OnStreamError(const StreamError& error);
-  // kSpilling for `device`'s copy-out stream, kReloading for its copy-back stream, else none.
-  std::optional<Residency> CopyDirectionOf(int device, uint64_t stream_id);
-  void FreeHostBuffer(int device, void* host, std::optional<StreamRef> last_use);
-  enum class SpillOutcome { kSpilled, kRefused, kNoHostMemory };
-  struct SpillResult {
-    // kNoHostMemory: no pinned buffer of the entry's size (host_limit_mb reached, or pinning
-    // failed): no entry of the device as large can be spilled in this pass either.
-    SpillOutcome outcome = SpillOutcome::kRefused;
-    size_t block_bytes = 0;  // kSpilled: the size of the block given back (rounded)
-  };
-  SpillResult Spill(Entry& e);
-  // Counts `reason` for `e` unless it was the last reason counted for it: a policy may ask
-  // again at every allocation.
-  void CountSkipOf(Entry& e, std::string_view reason);
-  // Enqueues `copy` and then `record` (its done event) on the engine's copy stream for
-  // `direction` (kSpilling: device to host), sorting out failures of earlier copies found there.
-  // Returns the allocator's count of stream errors found just before the copy was enqueued (for
-  // Entry::errors_found_before_copy).
-  [[nodiscard]] uint64_t IssueCopy(int device, Residency direction, absl::FunctionRef<void()> copy,
-                                   absl::FunctionRef<void()> record);
-  // Runs `call` into the device's pinned pool; a failure of earlier copies it hears of fails
-  // the copies in flight (FailInFlight, both directions), and the call returns false.
-  bool PoolCall(int device, absl::FunctionRef<void()> call);
-  // Waits on the host for the device's copy stream of `direction` (kSpilling: device to host);
-  // a failure found there fails the copies in flight that way.
-  void WaitCopyStream(int device, Residency direction);
-  // Records `event` on a stream of the program's. A copy the program enqueued there that failed
-  // is the program's error: thrown as ProgramStreamError, never blamed on the engine's copies.
-  void RecordOnProgramStream(int device, EventHandle event, StreamRef stream);
-  void Reload(Entry& e, StreamRef consumer);
-  // Reloads spilled saves of `device` older than `before_seq`, newest first, on `consumer`.
-  void Prefetch(int device, uint64_t before_seq, StreamRef consumer);
-  void Drop(Entry& e);
-  // Gives up the entry's host copy and any copy in flight (the storage keeps its device memory).
-  void DiscardCopies(Entry& e);
-  void ReleaseHost(Entry& e, std::optional<StreamRef> last_use);
-  size_t SpillOldest(int device, size_t target_allocated, bool include_window);
+  void ActOnStreamError(const StreamError& error);
+
+  // -- Carrying out the policies' plans (engine_policy.cc)
+  // Carries `plan` out on `device`, or on every device (kAllDevices, for a plan that gives back no
+  // prefetch and spills every eligible save: eager's). Returns the block bytes released.
+  static constexpr int kAllDevices = -1;
+  size_t Carry(const SpillPlan& plan, int device);
   // One pass of a policy's spills. Once no pinned buffer of some size was to be had, larger
   // entries are not tried again in the pass: each try would cost a pinned allocation, at every
   // allocation (auto) or save (eager) the policy runs for. Such refusals are not for good: the
@@ -304,84 +284,40 @@ class OffloadEngine {
     size_t released = 0;  // block bytes given back
   };
   void SpillInPass(Entry& e, SpillPass& pass);
-  // The rescue's first step, and `auto`'s under its budget: turns prefetches nobody acquired yet
-  // back into spilled entries (their host copies are still there), oldest first, until allocated
-  // bytes reach `target_allocated`.
-  // Returns the bytes released.
+  // Turns prefetches nobody acquired yet back into spilled entries (their host copies are still
+  // there), oldest first, until allocated bytes reach `target_allocated`. Returns the bytes
+  // released.
   size_t GiveBackPrefetches(int device, size_t target_allocated);
-  // Gives back unused prefetches, then spills oldest saves, until `incoming_bytes` more fit under
-  // the budget (less a hysteresis).
+  // `auto`'s budget with `incoming_bytes` about to be allocated (PlanBudget), carried out.
   void SpillToBudget(int device, size_t incoming_bytes);
+  // Reloads spilled saves of `device` older than `before_seq`, newest first, on `consumer`, as
+  // far as a PrefetchPlan admits.
+  void Prefetch(EngineLock& lock, int device, uint64_t before_seq, StreamRef consumer);
   size_t AllocatedBytes(int device) const;
   void UpdateWatermarks();
   // Removes the engine's callbacks from the allocator and lifts its watermarks.
   void DetachFromAllocator();
   void OnPressure(int device, size_t incoming_bytes);
-  EventHandle TakeEvent(DeviceContext& dc);
 
   CachingAllocator& allocator_;
   Backend& backend_;
   uint64_t oom_callback_id_ = 0;
 
-  mutable std::recursive_mutex mutex_;
+  mutable std::mutex mutex_;
+  // Told when an entry's allocation with the lock released is over (Entry::allocating).
+  std::condition_variable allocated_;
   OffloadConfig config_;
-  std::vector<std::unique_ptr<DeviceContext>> devices_;
-  absl::flat_hash_map<const void*, std::unique_ptr<Entry>> entries_;
-  // Per storage key, failed entries (bytes lost) set aside when the storage was saved again after
-  // it was given memory again (resized after a forced release, say): the new save has an entry of
-  // its own in entries_, and these live on for their keepers, whose unpack raises, until those go.
-  absl::flat_hash_map<const void*, std::vector<std::unique_ptr<Entry>>> detached_;
-  absl::flat_hash_map<KeeperId, Keeper> keepers_;
-  absl::btree_map<uint64_t, Entry*> by_seq_;  // save order
+  // Declared before the table, so that it goes after it: entries' host buffers and events are its.
+  CopyEngine copies_;
+  EntryTable table_;
+  std::vector<DeviceState> devices_;
   // Per allocator that found them, the number (StreamError::seq) of the last copy-stream failure
   // acted on: one can be told more than once, and acting twice would fail later, healthy copies.
   absl::flat_hash_map<int, uint64_t> stream_errors_acted_on_;
-  // Parts of by_seq_, so that what runs at every save or unpack visits only entries it may act
-  // on (a walk over all of them made a long graph's bookkeeping quadratic). Visits go by seq
-  // cursor, not iterator: a spill or reload can run the rescue, which changes these maps.
-  // Entries a policy may spill (PolicyMaySpill); pruned lazily, by the walks that find one no
-  // longer may.
-  absl::btree_map<uint64_t, Entry*> spill_candidates_;
-  // Per device, the prefetch window that `auto` keeps resident: the newest entries of at least
-  // the min_bytes in force at their save (storages too small to spill are resident anyway) whose
-  // bytes add up to at most a fixed prefetch_bytes (empty when prefetch is adaptive). Every budget
-  // check needs it, so it follows the entries as they come and go rather than be summed again each
-  // time.
-  struct Window {
-    static constexpr uint64_t kEmpty = std::numeric_limits<uint64_t>::max();
-    absl::btree_map<uint64_t, Entry*> sized;  // the device's entries of at least min_bytes
-    uint64_t start = kEmpty;                  // seq of the oldest entry in the window
-    size_t bytes = 0;                         // bytes of the entries in the window
-  };
-  std::vector<Window> windows_;
-  std::vector<int64_t> spilled_by_device_;  // see spilled_bytes(device)
-  // Counts `e`'s bytes into (or, `spilled` false, out of) the spilled bytes, overall and of its
-  // device.
-  void CountSpilled(const Entry& e, bool spilled);
-  // The bytes of the window: the fixed prefetch_bytes, or none when prefetch is adaptive.
-  size_t WindowLimit() const;
-  void WindowAdd(Entry& e);
-  // Gives `e` the next seq (a save of it after others), in every map keyed by the entry's seq
-  // (not offloaded_, whose listings are per save).
-  void Resequence(Entry& e);
-  void WindowRemove(const Entry& e);
-  // Takes in older entries while they fit (after the window lost bytes, or from nothing).
-  void WindowExtend(Window& w) const;
-  // Entries whose bytes went to the host (spilling or spilled): what prefetch can bring back,
-  // listed at each of their live saves (Entry::saves), since a backward reads a storage at the
-  // save its graph made. Pruned lazily too; a save's listing goes with its last keeper.
-  absl::btree_map<uint64_t, Entry*> offloaded_;
-  // Lists `e` in offloaded_ at each of its live saves; Unlist takes its listing at `seq` out.
-  void ListOffloaded(Entry& e);
-  void UnlistOffloadedAt(const Entry& e, uint64_t seq);
-  uint64_t next_seq_ = 1;
-  KeeperId next_keeper_ = 1;
-  bool in_policy_ = false;  // the policy's own allocations must not re-enter it
   bool skip_consumer_wait_ = false;
   OffloadStats stats_;
   static constexpr size_t kMaxEvents = 1 << 16;
   std::deque<OffloadEvent> events_;
-  void Note(OffloadEvent::Kind kind, const Entry& e);
 };
 
 }  // namespace spillway

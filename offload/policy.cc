@@ -1,0 +1,61 @@
+#include "offload/policy.h"
+
+#include <algorithm>
+
+namespace spillway {
+
+void ForwardFootprint::OnSave(size_t allocated) {
+  if (read_since_save) saving_high = spilled_high = room_taken = 0;
+  read_since_save = false;
+  saving_high = std::max(saving_high, allocated);
+}
+
+void ForwardFootprint::OnSpilledBytes(size_t spilled_now) {
+  spilled_high = std::max(spilled_high, spilled_now);
+}
+
+SpillPlan PlanEager() {
+  return SpillPlan{std::nullopt, SpillPlan::Spills::kAllEligible, 0, false, false};
+}
+
+std::optional<SpillPlan> PlanBudget(size_t allocated, size_t incoming, size_t budget) {
+  if (allocated + incoming <= budget) return std::nullopt;
+  const size_t target = budget - budget / 16;
+  const size_t goal = target > incoming ? target - incoming : 0;
+  return SpillPlan{goal, SpillPlan::Spills::kToTarget, goal, false, true};
+}
+
+SpillPlan PlanRescue(OffloadPolicy policy, size_t allocated, size_t bytes) {
+  const size_t target = allocated > bytes ? allocated - bytes : 0;
+  // Under "off" nothing is spilled, but prefetches of saves an inner block spilled still go back.
+  const SpillPlan::Spills spills =
+      policy == OffloadPolicy::kOff ? SpillPlan::Spills::kNone : SpillPlan::Spills::kToTarget;
+  return SpillPlan{target, spills, target, true, false};
+}
+
+size_t BudgetBytes(const OffloadConfig& config, size_t device_total, size_t memory_limit) {
+  if (config.budget_bytes != 0) return config.budget_bytes;
+  const size_t base = memory_limit == 0 ? device_total : std::min(memory_limit, device_total);
+  return static_cast<size_t>(config.budget_fraction * static_cast<double>(base));
+}
+
+size_t WindowLimit(const OffloadConfig& config) { return config.prefetch_bytes.value_or(0); }
+
+PrefetchPlan::PrefetchPlan(std::optional<size_t> window, size_t budget,
+                           const ForwardFootprint& footprint)
+    : window_(window), budget_(budget), depth_(footprint.spilled_high / 8) {
+  size_t ceiling = std::min(budget, footprint.saving_high);
+  ceiling -= std::min(ceiling, ceiling / 16 + footprint.room_taken);
+  ceiling_ = ceiling;
+}
+
+bool PrefetchPlan::Admits(size_t prefetched, size_t allocated, size_t bytes) const {
+  const size_t after = allocated + bytes;
+  if (after > budget_) return false;
+  if (!window_.has_value() && prefetched > 0) {
+    return prefetched + bytes <= depth_ && after <= ceiling_;
+  }
+  return true;
+}
+
+}  // namespace spillway

@@ -1,0 +1,107 @@
+// The offload policies as plans: pure functions of the configuration and of what the engine
+// measured, which return what to do; the engine carries a plan out (OffloadEngine::Carry,
+// OffloadEngine::Prefetch), re-reading the allocator's numbers as it goes, since each spill or
+// reload changes them by the size of a block, which only the allocator knows.
+//
+// No state beyond the per-device footprint the engine keeps, no I/O, no lock: tested on their own
+// (tests/offload/policy_test.cc).
+#pragma once
+
+#include <cstddef>
+#include <optional>
+
+#include "allocator/config.h"
+
+namespace spillway {
+
+// Per device, what an adaptive prefetch knows of the latest forward. The engine tells it of each
+// save, read, change of spilled bytes and prefetch given back.
+struct ForwardFootprint {
+  // The most bytes allocated at a save of the latest forward: backward is kept within it.
+  size_t saving_high = 0;
+  // The most bytes spilled at once since the latest forward began: an adaptive prefetch reloads
+  // at most an eighth of it ahead (beyond the next save).
+  size_t spilled_high = 0;
+  // Bytes of prefetches `auto` gave back under its budget since the latest forward began: room
+  // backward's own allocations needed, which an adaptive prefetch leaves to them.
+  size_t room_taken = 0;
+  // A save was read since the last save: the next save starts another forward, whose footprint
+  // is its own (a larger one before, an evaluation's or another batch size's, says nothing).
+  bool read_since_save = false;
+
+  // A save, with `allocated` bytes allocated on the device (the saved bytes among them).
+  void OnSave(size_t allocated);
+  void OnRead() { read_since_save = true; }
+  void OnSpilledBytes(size_t spilled_now);
+};
+
+// What a policy asks of the engine. First, unread prefetches are given back (no copy: their host
+// copies are kept) until allocated bytes reach `give_back_to`; then eligible saves are spilled,
+// oldest first.
+struct SpillPlan {
+  enum class Spills {
+    kNone,         // none
+    kAllEligible,  // every save a policy may spill that nothing but its keepers holds
+    kToTarget,     // until allocated bytes reach `spill_to`
+  };
+  std::optional<size_t> give_back_to;  // none: no prefetch is given back
+  Spills spills = Spills::kNone;
+  size_t spill_to = 0;
+  // Which saves: those outside the prefetch window a policy may spill (false), or any save, the
+  // ones a policy keeps included (true: the out-of-memory rescue).
+  bool include_window = false;
+  // The prefetches given back made room that backward's own allocations needed (`auto`'s budget):
+  // an adaptive prefetch leaves it to them for the rest of that backward, rather than refill it
+  // at the next read and give it back at the next allocation (a copy each way for nothing; seen
+  // as more bytes reloaded than spilled). Not the rescue's: that allocation fails otherwise.
+  bool room_for_backward = false;
+};
+
+// `eager`, after a save or at the end of forward: every eligible save, on every device.
+SpillPlan PlanEager();
+// `auto` on one device, with `allocated` bytes allocated and `incoming` about to be: nothing when
+// that fits in `budget`, else down to the budget less a sixteenth (so that the next allocations
+// do not ask again) less what is coming. Prefetches nobody read go first: one costs no copy now,
+// where a spill costs one each way.
+std::optional<SpillPlan> PlanBudget(size_t allocated, size_t incoming, size_t budget);
+// The out-of-memory rescue: `bytes` below `allocated`, prefetches first, then (except under
+// "off") any eligible save.
+SpillPlan PlanRescue(OffloadPolicy policy, size_t allocated, size_t bytes);
+
+// The budget of a device: `budget_bytes` if set, else its fraction of the memory limit, or of
+// the device where that is smaller (a limit may name more than the device has).
+size_t BudgetBytes(const OffloadConfig& config, size_t device_total, size_t memory_limit);
+
+// The bytes of the prefetch window `auto` keeps resident (its newest saves): the fixed
+// prefetch_bytes, or none when prefetch is adaptive (backward's first reads come back on demand,
+// and the reloads after them overlap).
+size_t WindowLimit(const OffloadConfig& config);
+
+// How far backward reloads ahead of a read on one device: saves older than the one read, newest
+// first, while Admits says so.
+class PrefetchPlan {
+ public:
+  // `window`: fixed bytes (OffloadConfig::prefetch_bytes), or none: adaptive.
+  PrefetchPlan(std::optional<size_t> window, size_t budget, const ForwardFootprint& footprint);
+  // Whether to look at another save, with `prefetched` bytes prefetched and not read yet.
+  bool Continues(size_t prefetched) const { return !window_.has_value() || prefetched < *window_; }
+  // Whether to reload one more save of `bytes`, with `allocated` bytes allocated now. Never past
+  // the budget (under "eager" too: the configured fraction of the device), so that backward's own
+  // allocations keep their headroom: a prefetch is a guess, and reloads that fill the device make
+  // backward run out of memory, or spill them again. Adaptive: the next save always (a read it
+  // overlaps with), then older ones up to an eighth of what forward spilled (backward's start
+  // holds what forward's end did: reloading more there brought the peak back), and only while
+  // backward stays within the most that forward held (and the budget), less a sixteenth and the
+  // room `auto` gave back to backward's own allocations, which land on top. No timing decides
+  // it: on CUDA the host runs ahead of the device, so when backward asks for a save says nothing
+  // of when the device reads it.
+  bool Admits(size_t prefetched, size_t allocated, size_t bytes) const;
+
+ private:
+  std::optional<size_t> window_;
+  size_t budget_;
+  size_t ceiling_;  // adaptive: allocated bytes a prefetch beyond the next save stays within
+  size_t depth_;    // adaptive: prefetched bytes beyond the next save
+};
+
+}  // namespace spillway
