@@ -204,3 +204,20 @@ def test_html_needs_no_matplotlib(trained_snapshot, tmp_path):
                         env={**os.environ, "PYTHONPATH": f"{blocker}:{BUILD_PY}"})
     assert result.returncode == 0, result.stderr
     assert out.stat().st_size > 1000
+
+
+def test_a_snapshot_of_plain_pytorch_gets_both_lanes():
+    """A snapshot with no `spillway` section (PyTorch's own, say): the host lane is there, empty,
+    and says so; the tables say there is nothing to list. Names are escaped."""
+    def entry(action, t):
+        return {"action": action, "addr": 4096, "size": 1 << 20, "stream": 0, "time_us": t,
+                "frames": []}
+
+    snap = {"segments": [], "device_traces": [[entry("alloc", 10), entry("free_requested", 20),
+                                               entry("free_completed", 20)]]}
+    page = report.html_report(snap, "<b>.pickle")
+    assert page.count('<svg class="lane"') == 2
+    assert page.count("nothing held over the recorded history") == 1  # the host lane only
+    assert "No spills or reloads on this device." in page
+    assert "No allocation saved for backward in the recorded history." in page
+    assert "Spillway snapshot: &lt;b&gt;.pickle" in page and "<b>.pickle" not in page
