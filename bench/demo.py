@@ -84,8 +84,12 @@ def main():
 
     png = report.plot([report.load(without), report.load(with_eager)],
                       ["no offload", "eager"], os.path.join(OUT, "timeline.png"))
+    page = os.path.join(OUT, "report.html")
+    with open(page, "w", encoding="utf-8") as f:
+        f.write(report.html_report(report.load(with_eager), os.path.basename(with_eager)))
     print(f"\nsnapshots (open at pytorch.org/memory_viz): {without}\n  {with_eager}")
     print(f"memory timeline: {png}")
+    print(f"the eager run's page (device and host lanes, spills per storage): {page}")
     # The first python3 on PATH may lack torch or the build: scripts/env.sh picks both.
     print(f"report: source scripts/env.sh && python3 -m spillway.report {without} {with_eager}")
 

@@ -117,6 +117,29 @@ std::vector<TraceCategory> AllocationCategories(const std::vector<TraceEntry>& t
   return out;
 }
 
+// What PyTorch's memory viewer (pytorch.org/memory_viz, MemoryViz.js) prints for an allocation of
+// a category, as its `user_metadata`: the viewer prints a string there as "User Metadata:" and
+// the string on the next line, under an entry of the trace list, an allocation of the timeline
+// and a block of the allocator state view (where a block comes from its free_completed entry, or
+// from the segments' block at the end). The category itself it only colours by. A spill's block
+// is a free_requested waiting for its free_completed until the copy to host is done, which that
+// view draws red as "block freed but waiting due to record_stream" (its text for any such block):
+// the line below it says that this wait is the spill's copy. nullptr: no note.
+const char* ViewerNote(TraceCategory category) {
+  switch (category) {
+    case TraceCategory::kUnknown:
+      return nullptr;
+    case TraceCategory::kSavedForBackward:
+      return "spillway: saved for backward";
+    case TraceCategory::kSpilled:
+      return "spillway: saved for backward, then spilled to host; the spill freed it, and a wait "
+             "for that free to complete is the copy to host, not a record_stream";
+    case TraceCategory::kReloaded:
+      return "spillway: reloaded from host for backward";
+  }
+  return nullptr;
+}
+
 bool IsAllocationEvent(TraceAction action) {
   return action == TraceAction::kAlloc || action == TraceAction::kFreeRequested ||
          action == TraceAction::kFreeCompleted;
@@ -254,6 +277,9 @@ py::dict Snapshot() {
       blk["requested_size"] = b.state == BlockState::kInactive ? b.size : b.requested_size;
       blk["state"] = std::string(BlockStateName(b.state));
       blk["frames"] = FramesOf(b.context);
+      if (b.state != BlockState::kInactive) {
+        if (const char* note = ViewerNote(b.category)) blk["user_metadata"] = note;
+      }
       if (b.state == BlockState::kActiveAllocated) {
         // The older (torch <= 2.0) snapshot readers attribute a block's bytes through this.
         py::dict h;
@@ -294,6 +320,7 @@ py::dict Snapshot() {
       // categories among which "unknown" is missing (a misspelt push in MemoryViz.js).
       if (IsAllocationEvent(e.action)) {
         d["category"] = std::string(TraceCategoryName(categories[i]));
+        if (const char* note = ViewerNote(categories[i])) d["user_metadata"] = note;
       }
       t.append(d);
     }

@@ -1,6 +1,7 @@
 """Reads Spillway snapshots (spillway.dump_snapshot) and reports what holds memory.
 
     python -m spillway.report SNAPSHOT [SNAPSHOT2] [-o OUT.png] [--device N]
+    python -m spillway.report --html OUT.html SNAPSHOT [--device N]
 
 Prints the largest blocks with their keepers, the storages kept alive only by tensors saved for
 backward whose views reach less than the whole storage (views you hold yourself are not seen:
@@ -8,9 +9,12 @@ such a storage has other holders and is not listed), and the storages released w
 tensors still held them; writes a PNG timeline of device memory (allocated, reserved, spilled to
 host) over the recorded history. Given two snapshots (say, without and with offload) it plots both
 on one figure; a snapshot with several devices gets one panel per device (--device N: only N).
+With --html it writes a page instead of the PNG: device and host lanes over time, spills and
+reloads per storage, and the bytes saved for backward per place in the code.
 """
 
 import argparse
+import html
 import os
 import pickle
 import sys
@@ -65,12 +69,18 @@ def devices_of(snapshots):
 def series(snapshot, device=0):
     """Timelines from the snapshot's history: a dict of lists `t` (seconds from the first event),
     `allocated` (bytes requested by live allocations, as the history and memory_viz count them),
-    `reserved` and `spilled` (bytes after each event). The starting levels are
-    derived from the end state, so the curves end where the snapshot's segments are."""
+    `reserved` and `spilled` (bytes after each event), and `t0_us`, the first event's time. The
+    starting levels are derived from the end state, so the curves end where the snapshot's
+    segments are."""
     traces = snapshot["device_traces"]
     trace = traces[device] if device < len(traces) else []
     section = snapshot.get("spillway", {})
     offload_events = [e for e in section.get("events", []) if e.get("device", 0) == device]
+    if trace:
+        # The engine keeps its last 65536 events whether history is recorded or not: those from
+        # before the history began would stretch the timeline back over a span it knows nothing
+        # else of (the allocated curve flat there). The spilled level they left is the start's.
+        offload_events = [e for e in offload_events if e["time_us"] >= trace[0]["time_us"]]
     segments = [s for s in snapshot["segments"] if s["device"] == device]
     # The history's allocation events carry the requested sizes, as PyTorch's do (block sizes in
     # snapshots Spillway wrote before it said so).
@@ -96,7 +106,7 @@ def series(snapshot, device=0):
     merged.sort(key=lambda item: (item[0], item[1]))
     t0 = merged[0][0] if merged else 0
     out = {"t": [0.0], "allocated": [start_allocated], "reserved": [start_reserved],
-           "spilled": [start_spilled]}
+           "spilled": [start_spilled], "t0_us": t0}
     allocated, reserved, spilled = start_allocated, start_reserved, start_spilled
     for time_us, kind, e in merged:
         if kind == 0:
@@ -241,29 +251,298 @@ def plot(snapshots, labels, path, device=None):
     return path
 
 
+# The lanes' fill colours, used nowhere else on the page: its browser test finds each lane by its
+# colour (tests/python/test_report_html.py).
+DEVICE_FILL = "#4e79a7"
+HOST_FILL = "#f28e2c"
+RESERVED_STROKE = "#8c8c8c"
+LANE_WIDTH = 900   # pixels of plot, one column each
+LANE_HEIGHT = 150
+LANE_LEFT = 80     # room for the MiB labels
+# Where a trace entry's allocation was saved for backward: its category says so. A reload's
+# allocation ("reloaded") holds the same bytes a second time and is not counted again.
+SAVED_CATEGORIES = ("saved_for_backward", "spilled")
+
+
+def column_peaks(t, values, t_end, columns):
+    """The highest of `values` held within each of `columns` equal slices of [0, t_end], where
+    values[i] holds from t[i] to t[i + 1] (the last one to t_end). A path point per event would
+    make a page of megabytes from a long history and still hide what falls inside one pixel; the
+    column's peak keeps every high-water mark visible (a value held for no time, such as an
+    allocation freed within the same microsecond, included)."""
+    span = t_end if t_end > 0 else 1.0
+    peaks = [0] * columns
+    for i, (start, value) in enumerate(zip(t, values)):
+        end = t[i + 1] if i + 1 < len(t) else t_end
+        first = min(columns - 1, int(start / span * columns))
+        last = min(columns - 1, int(end / span * columns))
+        for c in range(first, last + 1):
+            if value > peaks[c]:
+                peaks[c] = value
+    return peaks
+
+
+def _mib(n):
+    return f"{n / MIB:.2f} MiB"
+
+
+def _lane_svg(title, peaks, line, t_end, fill):
+    """One lane: `peaks` (bytes per pixel column) as a filled step area, `line` (optional, the
+    same shape) as a grey outline, the MiB scale on the left and seconds below."""
+    top_value = max(max(peaks, default=0), max(line or [0]))
+    scale = LANE_HEIGHT / top_value if top_value > 0 else 0.0
+    base = LANE_HEIGHT + 10
+    width = LANE_LEFT + LANE_WIDTH + 20
+
+    def y(v):
+        return base - v * scale
+
+    area = [f"M{LANE_LEFT},{base}"]
+    for c, v in enumerate(peaks):
+        area.append(f"L{LANE_LEFT + c},{y(v):.1f}L{LANE_LEFT + c + 1},{y(v):.1f}")
+    area.append(f"L{LANE_LEFT + len(peaks)},{base}Z")
+    parts = [f'<svg class="lane" width="{width}" height="{base + 30}" '
+             f'viewBox="0 0 {width} {base + 30}" role="img" aria-label="{html.escape(title)}">',
+             f"<title>{html.escape(title)}</title>",
+             # Crisp edges: the fill is one exact colour, which the browser test counts.
+             f'<path d="{"".join(area)}" fill="{fill}" stroke="none" '
+             'shape-rendering="crispEdges"/>']
+    if line:
+        outline = [f"M{LANE_LEFT},{y(line[0]):.1f}"]
+        for c, v in enumerate(line):
+            outline.append(f"L{LANE_LEFT + c},{y(v):.1f}L{LANE_LEFT + c + 1},{y(v):.1f}")
+        parts.append(f'<path d="{"".join(outline)}" fill="none" stroke="{RESERVED_STROKE}" '
+                     'stroke-width="1"/>')
+    parts.append(f'<line x1="{LANE_LEFT}" y1="{base}" x2="{LANE_LEFT + LANE_WIDTH}" y2="{base}" '
+                 'stroke="#333"/>')
+    parts.append(f'<line x1="{LANE_LEFT}" y1="10" x2="{LANE_LEFT}" y2="{base}" stroke="#333"/>')
+    parts.append(f'<text x="{LANE_LEFT - 6}" y="14" text-anchor="end">'
+                 f"{html.escape(_mib(top_value))}</text>")
+    parts.append(f'<text x="{LANE_LEFT - 6}" y="{base}" text-anchor="end">0</text>')
+    for fraction in (0.0, 0.5, 1.0):
+        x = LANE_LEFT + fraction * LANE_WIDTH
+        anchor = {0.0: "start", 0.5: "middle", 1.0: "end"}[fraction]
+        parts.append(f'<text x="{x:.0f}" y="{base + 18}" text-anchor="{anchor}">'
+                     f"{fraction * t_end:.3f} s</text>")
+    if top_value == 0:
+        parts.append(f'<text x="{LANE_LEFT + LANE_WIDTH / 2:.0f}" y="{base / 2:.0f}" '
+                     'text-anchor="middle">nothing held over the recorded history</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def storage_rows(snapshot, device):
+    """Per storage entry with offload events on `device`: a dict of its `entry`, the `bytes` it
+    spilled (the largest of its events), counts of each event kind (`spill`, `reload`,
+    `prefetch_given_back`, `drop_spilled`, `failed`), `first_spill_s` and `last_reload_s`
+    (seconds from the timeline's start, None if none) and its `residency` at the snapshot
+    ("released" once the engine no longer holds it). Largest first. The engine names a storage
+    by its address, which a later storage may take over: their events then share a row."""
+    section = snapshot.get("spillway", {})
+    live = {e["entry"]: e for e in section.get("entries", [])}
+    t0 = series(snapshot, device)["t0_us"]
+    rows = {}
+    for e in section.get("events", []):
+        if e.get("device", 0) != device or e["time_us"] < t0:
+            continue  # another device's, or from before the recorded history (see series)
+        row = rows.setdefault(e["entry"], {
+            "entry": e["entry"], "bytes": 0, "spill": 0, "reload": 0, "prefetch_given_back": 0,
+            "drop_spilled": 0, "failed": 0, "first_spill_s": None, "last_reload_s": None})
+        row["bytes"] = max(row["bytes"], e["bytes"])
+        if e["action"] in row:
+            row[e["action"]] += 1
+        seconds = (e["time_us"] - t0) / 1e6
+        if e["action"] == "spill" and row["first_spill_s"] is None:
+            row["first_spill_s"] = seconds
+        if e["action"] == "reload":
+            row["last_reload_s"] = seconds
+    for row in rows.values():
+        entry = live.get(row["entry"])
+        row["residency"] = entry["residency"] if entry else "released"
+    return sorted(rows.values(), key=lambda r: (-r["bytes"], r["entry"]))
+
+
+def _where(frame):
+    return f"{frame.get('name', '?')} ({frame.get('filename', '?')})"
+
+
+def saved_by_place(snapshot, device):
+    """The snapshot names no modules, so the bytes saved for backward are grouped by the innermost
+    Python frame of each saved allocation (its function and file: for a module's op, its forward,
+    such as torch/nn/modules/linear.py's). A list of dicts `where`, `bytes`, `spilled_bytes`
+    and `count`, most bytes first. Allocations recorded without frames (history with
+    stacks="none", or made outside Python) come under one row of their own."""
+    traces = snapshot["device_traces"]
+    trace = traces[device] if device < len(traces) else []
+    places = {}
+    for e in trace:
+        if e["action"] != "alloc" or e.get("category") not in SAVED_CATEGORIES:
+            continue
+        frames = e.get("frames") or []
+        where = _where(frames[0]) if frames else "no Python frame recorded"
+        place = places.setdefault(where, {"where": where, "bytes": 0, "spilled_bytes": 0,
+                                          "count": 0})
+        place["bytes"] += e["size"]
+        place["count"] += 1
+        if e["category"] == "spilled":
+            place["spilled_bytes"] += e["size"]
+    return sorted(places.values(), key=lambda p: (-p["bytes"], p["where"]))
+
+
+_PAGE_STYLE = """
+body { font-family: sans-serif; margin: 16px; color: #222; background: #fff; }
+h1 { font-size: 20px; margin: 0 0 4px 0; }
+h2 { font-size: 17px; margin: 22px 0 6px 0; }
+h3 { font-size: 14px; margin: 10px 0 2px 0; font-weight: normal; }
+p.note { font-size: 13px; color: #555; max-width: 980px; margin: 4px 0; }
+svg.lane { display: block; }
+svg.lane text { font-size: 11px; fill: #333; }
+table { border-collapse: collapse; font-size: 12px; margin-top: 4px; }
+th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
+th { background: #f0f0f0; }
+td.left, th.left { text-align: left; }
+span.key { display: inline-block; width: 10px; height: 10px; margin-right: 4px; }
+"""
+
+ROW_LIMIT = 200  # table rows shown; a note says how many more there were
+
+
+def html_report(snapshot, name, device=None):
+    """The self-contained page (no script, style sheet or font from anywhere else) for one
+    snapshot: per device a lane of device memory allocated and a lane of bytes spilled to
+    pinned host memory, on one time axis; the spills and reloads per storage; the bytes saved
+    for backward per place in the code."""
+    section = snapshot.get("spillway", {})
+    stats = section.get("stats", {})
+    shown = [device] if device is not None else devices(snapshot)
+    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+           f"<title>Spillway snapshot: {html.escape(name)}</title>",
+           f"<style>{_PAGE_STYLE}</style></head><body>",
+           f"<h1>Spillway snapshot: {html.escape(name)}</h1>"]
+    if stats:
+        out.append(f'<p class="note">Offload since the engine started: '
+                   f'{stats.get("num_spills", 0)} spills, '
+                   f'{stats.get("num_reloads", 0)} reloads, '
+                   f'{html.escape(_mib(stats.get("bytes_to_host", 0)))} to host, '
+                   f'{stats.get("num_prefetch_hits", 0)} prefetch hits, '
+                   f'{stats.get("num_stalls", 0)} stalls.</p>')
+    for d in shown:
+        s = series(snapshot, d)
+        t_end = s["t"][-1]
+        allocated = column_peaks(s["t"], s["allocated"], t_end, LANE_WIDTH)
+        reserved = column_peaks(s["t"], s["reserved"], t_end, LANE_WIDTH)
+        spilled = column_peaks(s["t"], s["spilled"], t_end, LANE_WIDTH)
+        out.append(f"<h2>Device {d}</h2>")
+        out.append(f'<h3><span class="key" style="background:{DEVICE_FILL}"></span>device '
+                   f"memory allocated (peak {html.escape(_mib(max(s['allocated'])))}; grey line: "
+                   f"reserved, peak {html.escape(_mib(max(s['reserved'])))})</h3>")
+        out.append(_lane_svg(f"device {d}: allocated bytes over time", allocated, reserved,
+                             t_end, DEVICE_FILL))
+        out.append(f'<h3><span class="key" style="background:{HOST_FILL}"></span>host: bytes '
+                   f"spilled to pinned host memory (peak {html.escape(_mib(max(s['spilled'])))})"
+                   "</h3>")
+        out.append(_lane_svg(f"device {d}: bytes spilled to host over time", spilled, None,
+                             t_end, HOST_FILL))
+        out.append('<p class="note">Allocated: the bytes live allocations requested, as the '
+                   "memory viewer's timeline counts them; each pixel column shows the highest "
+                   "level within it. Spilled: Spillway's own spill and reload events (the "
+                   "snapshot's <code>spillway</code> section).</p>")
+
+        rows = storage_rows(snapshot, d)
+        out.append(f"<h3>Spills and reloads per storage ({len(rows)} storages)</h3>")
+        out.append('<p class="note">A storage is named by its address (the offload engine\'s '
+                   "key), which a later storage may take over: its events then share the row. "
+                   "Only events within the recorded history are counted.</p>")
+        if rows:
+            out.append("<table><tr><th class=left>storage entry</th><th>bytes</th><th>spills</th>"
+                       "<th>reloads</th><th>prefetches given back</th><th>dropped spilled</th>"
+                       "<th>failed</th><th>first spill</th><th>last reload</th>"
+                       "<th class=left>at the snapshot</th></tr>")
+            for r in rows[:ROW_LIMIT]:
+                first = "" if r["first_spill_s"] is None else f"{r['first_spill_s']:.3f} s"
+                last = "" if r["last_reload_s"] is None else f"{r['last_reload_s']:.3f} s"
+                out.append(f"<tr><td class=left>{r['entry']:#x}</td>"
+                           f"<td>{html.escape(_mib(r['bytes']))}</td><td>{r['spill']}</td>"
+                           f"<td>{r['reload']}</td><td>{r['prefetch_given_back']}</td>"
+                           f"<td>{r['drop_spilled']}</td><td>{r['failed']}</td>"
+                           f"<td>{first}</td><td>{last}</td>"
+                           f"<td class=left>{html.escape(r['residency'])}</td></tr>")
+            out.append("</table>")
+            if len(rows) > ROW_LIMIT:
+                out.append(f'<p class="note">{len(rows) - ROW_LIMIT} smaller storages not '
+                           "shown.</p>")
+        else:
+            out.append('<p class="note">No spills or reloads on this device.</p>')
+
+        places = saved_by_place(snapshot, d)
+        out.append("<h3>Bytes saved for backward, per place in the code</h3>")
+        out.append('<p class="note">The snapshot names no modules: each allocation saved for '
+                   "backward (trace category <code>saved_for_backward</code> or "
+                   "<code>spilled</code>) is counted under the innermost Python frame of its "
+                   "allocation, its function and file (a module's op is counted under the "
+                   "forward that called it). Only allocations the recorded history saw are "
+                   "counted.</p>")
+        if places:
+            out.append("<table><tr><th class=left>innermost frame</th><th>saved</th>"
+                       "<th>of which spilled</th><th>allocations</th></tr>")
+            for p in places[:ROW_LIMIT]:
+                out.append(f"<tr><td class=left>{html.escape(p['where'])}</td>"
+                           f"<td>{html.escape(_mib(p['bytes']))}</td>"
+                           f"<td>{html.escape(_mib(p['spilled_bytes']))}</td>"
+                           f"<td>{p['count']}</td></tr>")
+            out.append("</table>")
+            if len(places) > ROW_LIMIT:
+                out.append(f'<p class="note">{len(places) - ROW_LIMIT} smaller places not '
+                           "shown.</p>")
+        else:
+            out.append('<p class="note">No allocation saved for backward in the recorded '
+                       "history.</p>")
+    out.append("</body></html>")
+    return "\n".join(out) + "\n"
+
+
+def _check_output(parser, option, path, suffixes, what):
+    """Refuses (a one-line usage error) an output `path` that cannot be written: a wrong suffix, a
+    directory, or a directory that is missing or not writable."""
+    if not path.lower().endswith(suffixes):
+        parser.error(f"{option} {path}: {what}; name a " + ", ".join(suffixes[:-1])
+                     + f" or {suffixes[-1]} file")
+    if os.path.isdir(path):
+        parser.error(f"{option} {path}: is a directory; name a file in it")
+    out_dir = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(out_dir):
+        parser.error(f"{option} {path}: no directory {out_dir}")
+    if not os.access(out_dir, os.W_OK):
+        parser.error(f"{option} {path}: directory {out_dir} is not writable")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m spillway.report",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("snapshots", nargs="+",
                         help="one or two pickles from spillway.dump_snapshot")
-    parser.add_argument("-o", "--output", default="spillway_timeline.png",
+    parser.add_argument("-o", "--output", default=None,
                         help="image to write (.png, .svg or .pdf; default: spillway_timeline.png "
-                             "in the current directory)")
+                             "in the current directory, none with --html)")
+    parser.add_argument("--html", default=None, metavar="OUT.html",
+                        help="write a self-contained page (device and host lanes over time, "
+                             "spills and reloads per storage, saved bytes per place in the code) "
+                             "for one snapshot; needs no matplotlib")
     parser.add_argument("--device", type=int, default=None,
                         help="plot only this device (default: every device with data)")
     args = parser.parse_args(argv)
     if len(args.snapshots) > 2:
         parser.error("give one or two snapshots")
-    if not args.output.lower().endswith((".png", ".svg", ".pdf")):
-        parser.error(f"--output {args.output}: the timeline is an image; name a .png, .svg or "
-                     ".pdf file")
-    if os.path.isdir(args.output):
-        parser.error(f"--output {args.output}: is a directory; name an image file in it")
-    out_dir = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(out_dir):
-        parser.error(f"--output {args.output}: no directory {out_dir}")
-    if not os.access(out_dir, os.W_OK):
-        parser.error(f"--output {args.output}: directory {out_dir} is not writable")
+    if args.html is not None and len(args.snapshots) > 1:
+        parser.error(f"--html {args.html}: the page shows one snapshot; give one (run it once "
+                     "per snapshot)")
+    if args.output is None and args.html is None:
+        args.output = "spillway_timeline.png"
+    if args.output is not None:
+        _check_output(parser, "--output", args.output, (".png", ".svg", ".pdf"),
+                      "the timeline is an image")
+    if args.html is not None:
+        _check_output(parser, "--html", args.html, (".html", ".htm"), "the page is HTML")
     snaps = []
     for path in args.snapshots:
         try:
@@ -306,6 +585,25 @@ def main(argv=None):
         print(f"== {path}")
         print(text)
         print()
+    if args.html is not None:
+        try:
+            page = html_report(snaps[0], os.path.basename(args.snapshots[0]), args.device)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+            what = f"missing key {error}" if isinstance(error, KeyError) else error
+            print(f"{parser.prog}: error: {args.snapshots[0]} is not a memory snapshot this tool "
+                  f"can read ({type(error).__name__}: {what}); write one with "
+                  "spillway.dump_snapshot", file=sys.stderr)
+            return 2
+        try:
+            with open(args.html, "w", encoding="utf-8") as f:
+                f.write(page)
+        except OSError as error:
+            print(f"{parser.prog}: error: cannot write {args.html}: {error.strerror or error}",
+                  file=sys.stderr)
+            return 2
+        print(f"page: {args.html}")
+    if args.output is None:
+        return 0
     labels = legend_labels(args.snapshots)
     # The summary above stands without the plot: a machine with no matplotlib (a pip torch often
     # comes without it) or a full disk still gets it, and one line saying why there is no plot.

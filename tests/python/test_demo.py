@@ -28,5 +28,6 @@ def test_demo_runs_and_offload_trains_where_no_offload_runs_out_of_memory(tmp_pa
     assert "| no offload | out of memory |" in tight
     assert "| Spillway auto, default budget | completed |" in tight
     assert "yes (bitwise)" in tight.split("| Spillway auto, default budget |")[1].splitlines()[0]
-    for name in ("snapshot_no_offload.pickle", "snapshot_eager.pickle", "timeline.png"):
+    for name in ("snapshot_no_offload.pickle", "snapshot_eager.pickle", "timeline.png",
+                 "report.html"):
         assert (tmp_path / name).stat().st_size > 0, name

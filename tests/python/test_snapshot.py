@@ -268,3 +268,51 @@ def test_completed_frees_and_segments_carry_the_frames_of_their_allocation():
     assert frames("segment_alloc") == frames("alloc")
     assert frames("segment_free") == frames("alloc")
     assert len(segments) == 1 and segments[0]["frames"] == frames("alloc")
+
+
+SPILL_NOTE = ("spillway: saved for backward, then spilled to host; the spill freed it, and a wait "
+              "for that free to complete is the copy to host, not a record_stream")
+NOTES = {"saved_for_backward": "spillway: saved for backward", "spilled": SPILL_NOTE,
+         "reloaded": "spillway: reloaded from host for backward"}
+
+
+def test_the_viewer_prints_what_a_spills_wait_is(recorded):
+    """Issue #39: a spill frees its block while the copy to host still reads it, so its
+    free_completed comes late, and PyTorch's memory viewer (MemoryViz.js) draws such a block red
+    as "block freed but waiting due to record_stream", its words for any free_requested block.
+    It prints an entry's or block's `user_metadata` string below that ("User Metadata:", then the
+    string), so a spill's entries and blocks carry one that names the spill."""
+    model, loss = training_step()
+    snap = spillway.snapshot()
+    trace = snap["device_traces"][0]
+    for e in trace:
+        if e.get("category", "unknown") == "unknown":
+            assert "user_metadata" not in e, e
+        else:
+            assert e["user_metadata"] == NOTES[e["category"]], e
+    # The viewer's state view shows a block red, "waiting", from its free_requested entry until
+    # its free_completed one, and takes the block's note from the latter: both name the spill.
+    spill_frees = [i for i, e in enumerate(trace)
+                   if e["action"] == "free_requested" and e["category"] == "spilled"]
+    assert spill_frees, "nothing was spilled"
+    blocks = {b["address"]: b for seg in snap["segments"] for b in seg["blocks"]}
+    for i in spill_frees:
+        assert trace[i]["user_metadata"] == SPILL_NOTE
+        later = [e for e in trace[i + 1:] if e["addr"] == trace[i]["addr"]]
+        if later:
+            assert later[0]["action"] == "free_completed"
+            assert later[0]["user_metadata"] == SPILL_NOTE
+        else:  # still waiting: the view takes the block from the segments
+            block = blocks[trace[i]["addr"]]
+            assert block["state"] == "active_pending_free", block
+            assert block["user_metadata"] == SPILL_NOTE
+    # Blocks of no category carry no note.
+    for b in blocks.values():
+        assert b.get("user_metadata") in (None, *NOTES.values()), b
+    assert any(b.get("user_metadata") == NOTES["saved_for_backward"]
+               for seg in snap["segments"] for b in seg["blocks"])
+    loss.backward()
+    reloaded = [e for e in spillway.snapshot()["device_traces"][0]
+                if e.get("category") == "reloaded"]
+    assert reloaded and all(e["user_metadata"] == NOTES["reloaded"] for e in reloaded)
+    pickle.loads(pickle.dumps(snap, protocol=4))
