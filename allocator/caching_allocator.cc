@@ -6,6 +6,7 @@
 #include "absl/strings/str_format.h"
 #include "allocator/errors.h"
 #include "allocator/format.h"
+#include "allocator/speculative.h"
 
 namespace spillway {
 
@@ -28,10 +29,12 @@ CachingAllocator::CachingAllocator(std::shared_ptr<Backend> backend, const Alloc
     throw InvalidArgumentError(std::string(status.message()));
   }
   const int count = backend_->device_count();
+  ledgers_.reserve(static_cast<size_t>(count));
   devices_.reserve(static_cast<size_t>(count));
   for (int d = 0; d < count; ++d) {
-    devices_.push_back(
-        std::make_unique<DeviceAllocator>(*backend_, d, config_, [this] { return Callbacks(); }));
+    ledgers_.push_back(std::make_unique<StreamErrorLedger>(d));
+    devices_.push_back(std::make_unique<DeviceAllocator>(
+        *backend_, d, config_, [this] { return Callbacks(); }, *ledgers_.back()));
   }
 }
 
@@ -66,7 +69,10 @@ void* CachingAllocator::Malloc(size_t size, int device, StreamRef stream) {
         size, FormatBytes(size), device, kMaxRequest, FormatBytes(kMaxRequest)));
   }
   TraceContext context = GatherContext();
-  void* ptr = MallocOn(allocator, size, stream, context, /*watermark_first=*/true);
+  // A guess (a prefetch) takes only what is there: its core runs no ladder for it.
+  const bool reclaim = !SpeculativeAllocations::Active();
+  void* ptr = MallocOn(allocator, size, stream, context,
+                       MallocOptions{.watermark_first = true, .reclaim = reclaim});
   if (ptr != nullptr) return ptr;
   // Over the watermark: the handler (the offload engine) makes room before the allocation is
   // made, so allocated bytes stay under the budget rather than pass it and come back down.
@@ -76,19 +82,20 @@ void* CachingAllocator::Malloc(size_t size, int device, StreamRef stream) {
       call && allocator.CouldEverFit(size, stream)) {
     handler->fn(device, allocator.RoundSize(size));
   }
-  return MallocOn(allocator, size, stream, context, /*watermark_first=*/false);
+  return MallocOn(allocator, size, stream, context,
+                  MallocOptions{.watermark_first = false, .reclaim = reclaim});
 }
 
 void* CachingAllocator::MallocOn(DeviceAllocator& allocator, size_t size, StreamRef stream,
-                                 TraceContext& context, bool watermark_first) {
+                                 TraceContext& context, MallocOptions options) {
   void* ptr = nullptr;
   try {
-    ptr = allocator.Malloc(size, stream, context, watermark_first);
+    ptr = allocator.Malloc(size, stream, context, options);
   } catch (...) {
-    if (allocator.has_stream_errors()) DispatchStreamErrors(allocator);
+    if (HasStreamErrors(allocator)) DispatchStreamErrors(allocator);
     throw;
   }
-  if (allocator.has_stream_errors()) DispatchStreamErrors(allocator);
+  if (HasStreamErrors(allocator)) DispatchStreamErrors(allocator);
   return ptr;
 }
 
@@ -111,7 +118,7 @@ void CachingAllocator::Free(void* ptr, int device) {
   if (ptr == nullptr) return;
   DeviceAllocator& allocator = At(device);
   if (allocator.Free(ptr, GatherFreeContext())) {
-    if (allocator.has_stream_errors()) DispatchStreamErrors(allocator);
+    if (HasStreamErrors(allocator)) DispatchStreamErrors(allocator);
     return;
   }
   Free(ptr);  // not on that device: search the others, or explain what the pointer is
@@ -122,7 +129,7 @@ void CachingAllocator::Free(void* ptr) {
   const TraceContext context = GatherFreeContext();
   if (DeviceAllocator* owner =
           FindOwner([&](DeviceAllocator& device) { return device.Free(ptr, context); })) {
-    if (owner->has_stream_errors()) DispatchStreamErrors(*owner);
+    if (HasStreamErrors(*owner)) DispatchStreamErrors(*owner);
     return;
   }
   std::string what;
@@ -185,7 +192,7 @@ void CachingAllocator::EmptyCache() {
     } catch (...) {
       if (first_failure == nullptr) first_failure = std::current_exception();
     }
-    if (device->has_stream_errors()) DispatchStreamErrors(*device);
+    if (HasStreamErrors(*device)) DispatchStreamErrors(*device);
   }
   if (first_failure != nullptr) std::rethrow_exception(first_failure);
 }
@@ -195,19 +202,28 @@ void CachingAllocator::SetStreamErrorObserver(StreamErrorObserver observer) {
 }
 
 void CachingAllocator::DeliverStreamErrors(int device) {
-  // Read under the device's lock (PendingStreamErrors), not from the flag: a thread that took a
-  // failure from the backend notes it under that lock, and the caller, whose own look at the
-  // stream found nothing since, must not trust a copy before the failure is noted.
+  // Not from the flag: see DispatchStreamErrors.
   DispatchStreamErrors(At(device), /*rethrow=*/true);
 }
 
-uint64_t CachingAllocator::StreamErrorsFound(int device) { return At(device).StreamErrorsFound(); }
+uint64_t CachingAllocator::StreamErrorsFound(int device) {
+  DeviceAllocator& allocator = At(device);
+  // A failure another thread took from the backend is reported under the core's lock: wait for
+  // it, so that an error found before the caller's next work is not numbered as if after it.
+  allocator.AwaitReports();
+  return LedgerOf(allocator).found();
+}
 
 void CachingAllocator::DispatchStreamErrors(DeviceAllocator& device, bool rethrow) {
   // Pending until this delivery is over: the observer may wait here for a lock held by a thread
   // that asks for the device's errors meanwhile (DeliverStreamErrors), and that thread must not
   // find them gone. It gets them too; the observer acts on each once (StreamError::seq).
-  const std::vector<StreamError> errors = device.PendingStreamErrors();
+  // Read once the core's calls under way are over, not on the flag alone: a thread that took a
+  // failure from the backend reports it under the core's lock, and a caller whose own look at the
+  // stream found nothing since must not trust a copy of the ledger before the failure is in it.
+  device.AwaitReports();
+  StreamErrorLedger& ledger = LedgerOf(device);
+  const std::vector<StreamError> errors = ledger.Pending();
   if (errors.empty()) return;
   {
     const auto observer = stream_error_observer_.Get();
@@ -224,7 +240,7 @@ void CachingAllocator::DispatchStreamErrors(DeviceAllocator& device, bool rethro
       }
     }
   }
-  device.RetireStreamErrors(errors.back().seq);
+  ledger.Retire(errors.back().seq);
 }
 
 void CachingAllocator::SetMemoryFraction(double fraction, int device) {
@@ -258,7 +274,7 @@ size_t CachingAllocator::MetadataBytes(int device) const { return At(device).Met
 void CachingAllocator::ProcessEvents(int device) {
   DeviceAllocator& allocator = At(device);
   allocator.ProcessEvents();
-  if (allocator.has_stream_errors()) DispatchStreamErrors(allocator);
+  if (HasStreamErrors(allocator)) DispatchStreamErrors(allocator);
 }
 
 void CachingAllocator::RecordHistory(bool enabled, size_t max_entries, ContextGatherer gatherer,

@@ -2,6 +2,17 @@
 // arguments, resolves streams and devices, gathers trace contexts outside the device locks and
 // owns the out-of-memory callbacks. No torch here; the PyTorch adapters and the C ABI wrap it.
 //
+// What the layers above need beyond a stream-ordered caching allocator is composed here, around
+// the device cores, not inside them: each device's StreamErrorLedger (the failures its core found
+// while waiting for streams, kept until the observer has them), and the speculative mode (a
+// thread's SpeculativeAllocations scope makes this front ask its core for a cached block or a new
+// segment only: MallocOptions::reclaim).
+//
+// Threads and locks: every method may be called from any thread. The front's own mutexes
+// (gatherer, callbacks) are never held while a device core's is taken; a core calls its ledger
+// under its own mutex (order: core, then ledger); callbacks, handlers and the observer run with no
+// allocator lock held.
+//
 // Size 0: `Malloc(0, ...)` returns nullptr and allocates nothing; `Free(nullptr)` is a no-op.
 // This matches PyTorch, which never dereferences a zero-byte storage's pointer.
 #pragma once
@@ -23,6 +34,7 @@
 #include "allocator/device_allocator.h"
 #include "allocator/snapshot.h"
 #include "allocator/stats.h"
+#include "allocator/stream_error_ledger.h"
 
 namespace spillway {
 
@@ -33,9 +45,10 @@ class CachingAllocator {
   CachingAllocator& operator=(const CachingAllocator&) = delete;
 
   // Allocates on `device` for use on `stream`. Throws InvalidArgumentError for a bad device or a
-  // size above kMaxRequest, OutOfMemoryError when even the out-of-memory ladder fails. A pressure
-  // handler or free-memory callback (the offload engine) may throw too: a BackendError it heard
-  // while making room (a failed copy of the program's on a stream it records on).
+  // size above kMaxRequest, OutOfMemoryError when even the out-of-memory ladder fails (inside a
+  // SpeculativeAllocations scope: when no cached block or new segment serves, with no ladder). A
+  // pressure handler or free-memory callback (the offload engine) may throw too: a BackendError it
+  // heard while making room (a failed copy of the program's on a stream it records on).
   void* Malloc(size_t size, int device, StreamRef stream);
   // Same, resolving a raw stream handle (null = the device's default stream) through the backend.
   void* Malloc(size_t size, int device, StreamHandle stream);
@@ -171,6 +184,8 @@ class CachingAllocator {
 
   const std::shared_ptr<Backend> backend_;
   const AllocatorConfig config_;
+  // One per device, by index; before devices_, which report to them, so that they outlive them.
+  std::vector<std::unique_ptr<StreamErrorLedger>> ledgers_;
   std::vector<std::unique_ptr<DeviceAllocator>> devices_;
   mutable std::atomic<int> last_owner_{0};  // see FindOwner
 
@@ -179,11 +194,17 @@ class CachingAllocator {
   mutable std::mutex gatherer_mutex_;
   ContextGatherer gatherer_;
 
+  StreamErrorLedger& LedgerOf(const DeviceAllocator& device) const {
+    return *ledgers_[static_cast<size_t>(device.device())];
+  }
+  bool HasStreamErrors(const DeviceAllocator& device) const {
+    return LedgerOf(device).has_errors();
+  }
   void DispatchStreamErrors(DeviceAllocator& device, bool rethrow = false);
   // `stream` of `stream_device`, or of the block's own device when none is given.
   void RecordStreamOf(void* ptr, StreamRef stream, std::optional<int> stream_device);
   void* MallocOn(DeviceAllocator& allocator, size_t size, StreamRef stream, TraceContext& context,
-                 bool watermark_first);
+                 MallocOptions options);
   // Every callback below is called through the guard: replacing or removing one returns only
   // once no call of it is running (the engine's capture `this`).
   mutable CallbackGuard callback_guard_;

@@ -8,17 +8,17 @@
 #include "absl/strings/str_format.h"
 #include "allocator/errors.h"
 #include "allocator/format.h"
-#include "allocator/speculative.h"
 
 namespace spillway {
 
 DeviceAllocator::DeviceAllocator(Backend& backend, int device, const AllocatorConfig& config,
-                                 FreeMemoryCallbacksFn callbacks)
+                                 FreeMemoryCallbacksFn callbacks, StreamFailureSink& failures)
     : backend_(backend),
       device_(device),
       policy_(config),
       gc_threshold_(config.garbage_collection_threshold),
       callbacks_(std::move(callbacks)),
+      failures_(failures),
       // The configuration's 0 means "not set" (its key accepts (0, 1] only).
       memory_fraction_(config.per_process_memory_fraction > 0.0
                            ? std::optional(config.per_process_memory_fraction)
@@ -115,11 +115,12 @@ size_t DeviceAllocator::ComputeLimit() const {
 }
 
 void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& context,
-                              bool watermark_first) {
+                              MallocOptions options) {
   std::unique_lock lock(mutex_);
   const size_t rounded = policy_.RoundSize(size);
-  if (watermark_first && static_cast<size_t>(stats_.allocated_bytes.all().current) + rounded >
-                             watermark_.load(std::memory_order_relaxed)) {
+  if (options.watermark_first &&
+      static_cast<size_t>(stats_.allocated_bytes.all().current) + rounded >
+          watermark_.load(std::memory_order_relaxed)) {
     return nullptr;
   }
   ProcessEventsLocked();
@@ -142,10 +143,10 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
     block = AllocSegment(kind, stream, rounded, context);
   }
   // A guess takes only what is there: no ladder, and no out-of-memory error on record.
-  if (block == kNoBlock && SpeculativeAllocations::Active()) {
+  if (block == kNoBlock && !options.reclaim) {
     throw OutOfMemoryError(
-        absl::StrFormat("Spillway: a speculative allocation of %s on device %d found no room "
-                        "without freeing memory",
+        absl::StrFormat("Spillway: an allocation of %s on device %d that may not reclaim memory "
+                        "(a speculative one) found no room without freeing memory",
                         FormatBytes(size), device_),
         size, device_);
   }

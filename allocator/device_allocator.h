@@ -1,7 +1,11 @@
 // The caching allocator of one device: pools, best-fit search, split and merge, stream-ordered
-// reuse, the memory limit, the out-of-memory ladder, statistics and history. One mutex guards
-// everything; public methods take it, private ones expect it held, and no public method calls
-// another, so the mutex need not be recursive.
+// reuse, the memory limit, the out-of-memory ladder, statistics and history. What it finds out
+// about other work while waiting for streams (a failed copy) it reports to a StreamFailureSink and
+// keeps no record of; which allocations are guesses that may not reclaim memory is the caller's
+// to say (MallocOptions). One mutex guards everything; public methods take it, private ones expect
+// it held, and no public method calls another, so the mutex need not be recursive. The failure
+// sink and the free-memory callbacks are the only code of others it calls: the sink under the
+// mutex (lock order: this mutex, then the sink's), the callbacks with the mutex released.
 #pragma once
 
 #include <atomic>
@@ -25,6 +29,7 @@
 #include "allocator/history.h"
 #include "allocator/snapshot.h"
 #include "allocator/stats.h"
+#include "allocator/stream_error_ledger.h"
 #include "allocator/stream_slots.h"
 
 namespace spillway {
@@ -37,18 +42,17 @@ using FreeMemoryCallback = std::function<size_t(int device, size_t bytes)>;
 // Returns the registered callbacks (owned by the multi-device front).
 using FreeMemoryCallbacksFn = std::function<std::vector<FreeMemoryCallback>()>;
 
-// A failure reported while waiting for a stream's work (an asynchronous copy failed). The
-// allocator only needs the work to be over; the work's owner learns of the failure from this.
-struct StreamError {
-  int device = 0;
-  uint64_t stream = 0;  // StreamRef::id
-  std::string message;
-  // Which device's allocator found it, and its number there (from 1, in the order found). An
-  // error stays pending until a delivery of it is over, so that a thread that asks for the
-  // errors while another is delivering them (and waits for a lock that thread holds) gets them
-  // too: an observer may be told of one error more than once, and acts on each number once.
-  int found_by = 0;
-  uint64_t seq = 0;
+// How far one Malloc may go.
+struct MallocOptions {
+  // An allocation that would take allocated bytes past the watermark is not made: Malloc returns
+  // nullptr, so that the caller can relieve the pressure first (outside this lock) and ask again
+  // without it.
+  bool watermark_first = false;
+  // False: only a cached block or a new segment may serve. When neither does, Malloc throws
+  // OutOfMemoryError at once: no cached segment is released, no pending use waited for, no holder
+  // asked, and nothing counts it (not num_alloc_retries, not num_ooms, not the history). For
+  // guesses that take only the memory there is (see speculative.h).
+  bool reclaim = true;
 };
 
 struct AllocationInfo {
@@ -68,17 +72,18 @@ struct SegmentRange {
 
 class DeviceAllocator {
  public:
+  // `failures` hears of the failures of stream work found while waiting for stream uses; it must
+  // outlive the allocator.
   DeviceAllocator(Backend& backend, int device, const AllocatorConfig& config,
-                  FreeMemoryCallbacksFn callbacks);
+                  FreeMemoryCallbacksFn callbacks, StreamFailureSink& failures);
   ~DeviceAllocator();
   DeviceAllocator(const DeviceAllocator&) = delete;
   DeviceAllocator& operator=(const DeviceAllocator&) = delete;
 
-  // `size` in [1, kMaxRequest]. Throws OutOfMemoryError when the ladder is exhausted. With
-  // `watermark_first`, an allocation that would take allocated bytes past the watermark is not
-  // made: Malloc returns nullptr, so that the caller can relieve the pressure first (outside this
-  // lock) and ask again without it. `context` is moved from only when the allocation is made.
-  void* Malloc(size_t size, StreamRef stream, TraceContext& context, bool watermark_first);
+  // `size` in [1, kMaxRequest]. Throws OutOfMemoryError when the ladder is exhausted (or, without
+  // `options.reclaim`, skipped). Returns nullptr only with `options.watermark_first`, over the
+  // watermark. `context` is moved from only when the allocation is made.
+  void* Malloc(size_t size, StreamRef stream, TraceContext& context, MallocOptions options);
   // Allocated-bytes level that Malloc keeps allocations from passing unannounced (the offload
   // engine's budget):
   // `bytes`, or `fraction` of the device's limit (of its total memory when it has no limit).
@@ -142,14 +147,10 @@ class DeviceAllocator {
   size_t MetadataBytes() const;
   // Completes pending stream-use frees whose events have fired. Malloc does this on its own.
   void ProcessEvents();
-  // Stream errors seen while processing events and not yet retired (see StreamError).
-  bool has_stream_errors() const { return has_stream_errors_.load(std::memory_order_relaxed); }
-  std::vector<StreamError> PendingStreamErrors() const;
-  // Drops the pending errors numbered up to `seq`: their delivery is over.
-  void RetireStreamErrors(uint64_t seq);
-  // How many stream errors this allocator has found so far (the last StreamError::seq given).
-  // Waits for an error another thread has taken from the backend and is noting.
-  uint64_t StreamErrorsFound() const;
+  // Returns once the calls under way on other threads have returned: a failure one of them took
+  // from the backend has then reached the sink. (Whoever reads the sink's record to learn of every
+  // failure found so far asks this first.)
+  void AwaitReports() const;
   int device() const { return device_; }
 
  private:
@@ -227,7 +228,7 @@ class DeviceAllocator {
   // and its fallback when no event can be recorded. False when even that fails (the block must
   // then never be reused).
   bool WaitOnHost(int device, const StreamRef& use);
-  // Keeps a failure of work on `stream` (of `device`) for its owner (PendingStreamErrors).
+  // Passes a failure of work on `stream` (of `device`) to the sink, for the stream's owner.
   void NoteStreamError(int device, uint64_t stream, const BackendError& error);
   void Trace(TraceAction action, uintptr_t addr, size_t size, uint64_t stream, TraceContext context,
              TraceCategory category = TraceCategory::kUnknown);
@@ -255,6 +256,7 @@ class DeviceAllocator {
   const SizePolicy policy_;
   const double gc_threshold_;
   const FreeMemoryCallbacksFn callbacks_;
+  StreamFailureSink& failures_;
   mutable size_t total_memory_ = 0;  // fetched on first need (TotalMemory); guarded by mutex_
 
   mutable std::mutex mutex_;
@@ -279,10 +281,7 @@ class DeviceAllocator {
   mutable bool limit_resolved_ = true;
   int64_t clock_ = 0;  // counts segment allocations, ages free segments for GC
   std::atomic<size_t> watermark_{std::numeric_limits<size_t>::max()};
-  double watermark_fraction_ = 0.0;         // 0: watermark_ is in bytes as set
-  std::vector<StreamError> stream_errors_;  // pending, in the order found
-  uint64_t stream_errors_found_ = 0;
-  std::atomic<bool> has_stream_errors_{false};
+  double watermark_fraction_ = 0.0;  // 0: watermark_ is in bytes as set
 };
 
 }  // namespace spillway

@@ -140,25 +140,12 @@ bool DeviceAllocator::UseIsOver(uint64_t stream, EventHandle event, bool wait) {
 }
 
 void DeviceAllocator::NoteStreamError(int device, uint64_t stream, const BackendError& error) {
-  stream_errors_.push_back(
-      StreamError{device, stream, error.what(), device_, ++stream_errors_found_});
-  has_stream_errors_.store(true, std::memory_order_relaxed);
+  failures_.OnStreamFailure(device, stream, error);
 }
 
-std::vector<StreamError> DeviceAllocator::PendingStreamErrors() const {
-  std::lock_guard lock(mutex_);
-  return stream_errors_;
-}
-
-uint64_t DeviceAllocator::StreamErrorsFound() const {
-  std::lock_guard lock(mutex_);
-  return stream_errors_found_;
-}
-
-void DeviceAllocator::RetireStreamErrors(uint64_t seq) {
-  std::lock_guard lock(mutex_);
-  std::erase_if(stream_errors_, [&](const StreamError& error) { return error.seq <= seq; });
-  has_stream_errors_.store(!stream_errors_.empty(), std::memory_order_relaxed);
+void DeviceAllocator::AwaitReports() const {
+  // Every call that took a failure from the backend reports it before it lets the mutex go.
+  const std::lock_guard lock(mutex_);
 }
 
 EventHandle DeviceAllocator::TakeEvent() {

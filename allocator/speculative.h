@@ -1,5 +1,7 @@
 // Speculative allocations: guesses, such as the offload engine's prefetches, that take only the
-// memory there is and give up quietly otherwise.
+// memory there is and give up quietly otherwise. A mode of the multi-device front
+// (CachingAllocator), which asks the device core for a cached block or a new segment only
+// (MallocOptions::reclaim); the core knows nothing of it. Thread-local: no lock, no sharing.
 #pragma once
 
 namespace spillway {

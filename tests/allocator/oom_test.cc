@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "allocator/speculative.h"
 #include "tests/allocator/sim_fixture.h"
 
 namespace spillway::testing {
@@ -45,6 +46,44 @@ TEST_F(OomTest, OomIsRecordedInHistory) {
   EXPECT_EQ(trace.back().action, TraceAction::kOom);
   EXPECT_EQ(trace.back().size, 100 * kMiB);
   EXPECT_EQ(trace.back().addr, 64 * kMiB);  // free device bytes, as PyTorch records
+}
+
+// Inside a SpeculativeAllocations scope (a prefetch) the front asks its device core for a cached
+// block or a new segment only: a request that needs the ladder fails at once, with no cached
+// segment released, no holder asked and nothing on record. The same request outside the scope
+// is served by the ladder (the cached segment goes back, and the new one fits).
+TEST_F(OomTest, SpeculativeAllocationsTakeOnlyWhatIsThereAndLeaveNoRecord) {
+  allocator_->RecordHistory(true, 100);
+  void* held = Alloc(24 * kMiB);
+  allocator_->Free(Alloc(20 * kMiB));  // a wholly free cached segment: 44 MiB reserved
+  int asked = 0;
+  allocator_->AddFreeMemoryCallback([&](int, size_t) -> size_t {
+    ++asked;
+    return 0;
+  });
+  {
+    const SpeculativeAllocations outer;
+    {
+      const SpeculativeAllocations inner;  // scopes nest: leaving this one keeps the outer's
+    }
+    void* cached = Alloc(16 * kMiB);  // a cached block serves a guess
+    allocator_->Free(cached);
+    EXPECT_THROW(Alloc(30 * kMiB), OutOfMemoryError);  // needs the 20 MiB segment released
+  }
+  EXPECT_FALSE(SpeculativeAllocations::Active());
+  EXPECT_EQ(asked, 0);
+  EXPECT_EQ(Stat("num_ooms"), 0);
+  EXPECT_EQ(Stat("num_alloc_retries"), 0);
+  EXPECT_EQ(Stat("reserved_bytes.all.current"), static_cast<int64_t>(44 * kMiB));
+  const Snapshot snapshot = allocator_->TakeSnapshot();
+  for (const TraceEntry& entry : snapshot.device_traces.at(0)) {
+    EXPECT_NE(entry.action, TraceAction::kOom);
+  }
+  void* served = Alloc(30 * kMiB);  // no longer a guess: the ladder releases the cached segment
+  EXPECT_EQ(Stat("num_alloc_retries"), 1);
+  EXPECT_EQ(Stat("reserved_bytes.all.current"), static_cast<int64_t>(54 * kMiB));
+  allocator_->Free(served);
+  allocator_->Free(held);
 }
 
 // A request larger than the device, or than its limit, fits nowhere: the holders (the offload
