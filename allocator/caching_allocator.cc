@@ -31,10 +31,13 @@ CachingAllocator::CachingAllocator(std::shared_ptr<Backend> backend, const Alloc
   const int count = backend_->device_count();
   ledgers_.reserve(static_cast<size_t>(count));
   devices_.reserve(static_cast<size_t>(count));
+  budgets_.reserve(static_cast<size_t>(count));
   for (int d = 0; d < count; ++d) {
     ledgers_.push_back(std::make_unique<StreamErrorLedger>(d));
     devices_.push_back(std::make_unique<DeviceAllocator>(
         *backend_, d, config_, [this] { return Callbacks(); }, *ledgers_.back()));
+    budgets_.push_back(
+        std::make_unique<BudgetAdaptor>(*devices_.back(), callback_guard_, pressure_handler_));
   }
 }
 
@@ -69,21 +72,12 @@ void* CachingAllocator::Malloc(size_t size, int device, StreamRef stream) {
         size, FormatBytes(size), device, kMaxRequest, FormatBytes(kMaxRequest)));
   }
   TraceContext context = GatherContext();
-  // A guess (a prefetch) takes only what is there: its core runs no ladder for it.
-  const bool reclaim = !SpeculativeAllocations::Active();
-  void* ptr = MallocOn(allocator, size, stream, context,
-                       MallocOptions{.watermark_first = true, .reclaim = reclaim});
-  if (ptr != nullptr) return ptr;
-  // Over the watermark: the handler (the offload engine) makes room before the allocation is
-  // made, so allocated bytes stay under the budget rather than pass it and come back down.
-  // (Not for a request that fits nowhere: `auto` would spill everything for it, for nothing.)
-  const auto handler = pressure_handler_.Get();
-  if (const CallbackGuard::Call call(callback_guard_, handler.get());
-      call && allocator.CouldEverFit(size, stream)) {
-    handler->fn(device, allocator.RoundSize(size));
-  }
-  return MallocOn(allocator, size, stream, context,
-                  MallocOptions{.watermark_first = false, .reclaim = reclaim});
+  // A guess (a prefetch) takes only what is there: its core runs no ladder for it. The budget
+  // (the offload engine's watermark) is the adaptor's: it may run the pressure handler between
+  // a declined first call and the second.
+  return BudgetOf(allocator).Malloc(
+      size, stream, /*reclaim=*/!SpeculativeAllocations::Active(),
+      [&](MallocOptions options) { return MallocOn(allocator, size, stream, context, options); });
 }
 
 void* CachingAllocator::MallocOn(DeviceAllocator& allocator, size_t size, StreamRef stream,
@@ -103,10 +97,12 @@ void CachingAllocator::SetPressureHandler(PressureHandler handler) {
   pressure_handler_.Set(callback_guard_, std::move(handler));
 }
 
-void CachingAllocator::SetWatermark(int device, size_t bytes) { At(device).SetWatermark(bytes); }
+void CachingAllocator::SetWatermark(int device, size_t bytes) {
+  BudgetOf(At(device)).SetWatermark(bytes);
+}
 
 void CachingAllocator::SetWatermarkFraction(int device, double fraction) {
-  At(device).SetWatermarkFraction(fraction);
+  BudgetOf(At(device)).SetWatermarkFraction(fraction);
 }
 
 void* CachingAllocator::Malloc(size_t size, int device, StreamHandle stream) {

@@ -6,7 +6,9 @@
 // the device cores, not inside them: each device's StreamErrorLedger (the failures its core found
 // while waiting for streams, kept until the observer has them), and the speculative mode (a
 // thread's SpeculativeAllocations scope makes this front ask its core for a cached block or a new
-// segment only: MallocOptions::reclaim).
+// segment only: MallocOptions::reclaim), and each device's BudgetAdaptor (the offload engine's
+// watermark, held through the core's soft limit, and the pressure handler run when an allocation
+// would pass it).
 //
 // Threads and locks: every method may be called from any thread. The front's own mutexes
 // (gatherer, callbacks) are never held while a device core's is taken; a core calls its ledger
@@ -29,6 +31,7 @@
 #include <vector>
 
 #include "allocator/backend.h"
+#include "allocator/budget_adaptor.h"
 #include "allocator/callback_guard.h"
 #include "allocator/config.h"
 #include "allocator/device_allocator.h"
@@ -108,14 +111,14 @@ class CachingAllocator {
   // watermark (by `incoming_bytes`, the request after the size policy's rounding), the handler runs
   // (outside every allocator lock, in the allocating thread); the allocation is made after it
   // returns, whatever it managed. The offload engine uses it to hold allocated bytes under its
-  // budget. SIZE_MAX disables.
-  using PressureHandler = std::function<void(int device, size_t incoming_bytes)>;
+  // budget. SIZE_MAX disables. (Each device's BudgetAdaptor carries this out.)
+  using PressureHandler = spillway::PressureHandler;
   // Replacing or clearing the handler (or the observer below, or removing a free-memory callback)
   // returns once no call of the old one is running on another thread, so its owner may go.
   void SetPressureHandler(PressureHandler handler);
   void SetWatermark(int device, size_t bytes);
   // A fraction in (0, 1] of the device's limit (total memory without one), resolved when the
-  // device first reserves memory: see DeviceAllocator::SetWatermarkFraction.
+  // device first reserves memory: see DeviceAllocator::SetSoftLimitFraction.
   void SetWatermarkFraction(int device, double fraction);
 
   // Told of StreamErrors (failed asynchronous work found while processing stream uses), outside
@@ -210,6 +213,12 @@ class CachingAllocator {
   mutable CallbackGuard callback_guard_;
   CallbackCell<StreamErrorObserver> stream_error_observer_;
   CallbackCell<PressureHandler> pressure_handler_;
+  // One per device, by index, around devices_[d]; after the guard and the handler cell they
+  // refer to, so that they go first.
+  std::vector<std::unique_ptr<BudgetAdaptor>> budgets_;
+  BudgetAdaptor& BudgetOf(const DeviceAllocator& device) const {
+    return *budgets_[static_cast<size_t>(device.device())];
+  }
 
   mutable std::mutex callbacks_mutex_;
   std::map<uint64_t, std::shared_ptr<RegisteredCallback<FreeMemoryCallback>>> callbacks_;

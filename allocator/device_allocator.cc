@@ -56,40 +56,40 @@ DeviceAllocator::~DeviceAllocator() {
   for (EventHandle e : spare_events_) quietly([&] { backend_.destroy_event(device_, e); });
 }
 
-void DeviceAllocator::SetWatermark(size_t bytes) {
+void DeviceAllocator::SetSoftLimit(size_t bytes) {
   std::lock_guard lock(mutex_);
-  watermark_fraction_ = 0.0;
-  watermark_.store(bytes, std::memory_order_relaxed);
+  soft_limit_fraction_ = 0.0;
+  soft_limit_.store(bytes, std::memory_order_relaxed);
 }
 
-void DeviceAllocator::SetWatermarkFraction(double fraction) {
+void DeviceAllocator::SetSoftLimitFraction(double fraction) {
   if (!(fraction > 0.0 && fraction <= 1.0)) {
     throw InvalidArgumentError(absl::StrFormat(
-        "watermark fraction %g for device %d is out of range: expected a value in (0, 1]", fraction,
-        device_));
+        "soft limit fraction %g for device %d is out of range: expected a value in (0, 1]",
+        fraction, device_));
   }
   std::lock_guard lock(mutex_);
-  watermark_fraction_ = fraction;
-  ResolveWatermark();
+  soft_limit_fraction_ = fraction;
+  ResolveSoftLimit();
 }
 
-void DeviceAllocator::ResolveWatermark() {
-  if (watermark_fraction_ == 0.0) return;
-  // Until the device reserves memory nothing is allocated on it, so no pressure is missed.
+void DeviceAllocator::ResolveSoftLimit() {
+  if (soft_limit_fraction_ == 0.0) return;
+  // Until the device reserves memory nothing is allocated on it, so nothing passes the level.
   if (segments_.empty()) {
-    watermark_.store(std::numeric_limits<size_t>::max(), std::memory_order_relaxed);
+    soft_limit_.store(std::numeric_limits<size_t>::max(), std::memory_order_relaxed);
     return;
   }
-  // A limit beyond the device (memory_limit_mb larger than it) is no base for a budget.
+  // A limit beyond the device (memory_limit_mb larger than it) is no base for a fraction.
   const size_t base = Limit() == 0 ? TotalMemory() : std::min(Limit(), TotalMemory());
-  watermark_.store(static_cast<size_t>(watermark_fraction_ * static_cast<double>(base)),
-                   std::memory_order_relaxed);
+  soft_limit_.store(static_cast<size_t>(soft_limit_fraction_ * static_cast<double>(base)),
+                    std::memory_order_relaxed);
 }
 
 size_t DeviceAllocator::TotalMemory() const {
-  // Asked once, and only where needed (a fraction set, a watermark once the device holds memory,
-  // the offload budget of a device in use): on CUDA the query creates the device's context, and
-  // a process that never uses a device (one rank per GPU) must not get a context on it.
+  // Asked once, and only where needed (a fraction set, a soft limit fraction once the device
+  // holds memory, the offload budget of a device in use): on CUDA the query creates the device's
+  // context, and a process that never uses a device (one rank per GPU) must not get one on it.
   if (total_memory_ == 0) total_memory_ = backend_.mem_info(device_).total_bytes;
   return total_memory_;
 }
@@ -118,9 +118,9 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
                               MallocOptions options) {
   std::unique_lock lock(mutex_);
   const size_t rounded = policy_.RoundSize(size);
-  if (options.watermark_first &&
+  if (options.decline_past_soft_limit &&
       static_cast<size_t>(stats_.allocated_bytes.all().current) + rounded >
-          watermark_.load(std::memory_order_relaxed)) {
+          soft_limit_.load(std::memory_order_relaxed)) {
     return nullptr;
   }
   ProcessEventsLocked();
@@ -128,14 +128,14 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
   const size_t segment_size = policy_.FullSegmentSize(rounded);
 
   BlockId block = FindFree(kind, stream, rounded);
-  // Under a watermark (the offload engine's budget), blocks whose spill copies are still reading
-  // them are about to be free, and they are what the budget counts on: use them rather than take
-  // a segment that would lift reserved memory past the watermark. (Without this `auto` held its
-  // allocated bytes at the budget while its reserved bytes grew to twice that.) Where every
-  // access is stream work, `stream` waits for the copies and the host goes on; else the host
-  // waits for them. Only as many as the request needs, oldest first.
+  // Under a soft limit, blocks whose stream uses (a spill's copies, under the offload budget) are
+  // still reading them are about to be free, and they are what whoever set the level counts on:
+  // use them rather than take a segment that would lift reserved memory past it. (Without this
+  // the offload engine's `auto` held its allocated bytes at the budget while its reserved bytes
+  // grew to twice that.) Where every access is stream work, `stream` waits for the uses and the
+  // host goes on; else the host waits for them. Only as many as the request needs, oldest first.
   if (block == kNoBlock && static_cast<size_t>(stats_.reserved_bytes.all().current) + segment_size >
-                               watermark_.load(std::memory_order_relaxed)) {
+                               soft_limit_.load(std::memory_order_relaxed)) {
     block = AwaitPendingUntilFit(kind, stream, rounded);
   }
   if (block == kNoBlock) {
@@ -184,14 +184,14 @@ BlockId DeviceAllocator::AllocSegment(PoolKind kind, StreamRef stream, size_t ro
   // request's size. At the edge of memory the spare room is a luxury that would fail a request
   // the device can hold (PyTorch's allocator fails it).
   // (Not when its one block would be an oversize block for a request below max_split_size: such
-  // a block is never split, nor handed to such a request.) Under a watermark, the request's own
-  // size comes first when only it stays under the watermark.
+  // a block is never split, nor handed to such a request.) Under a soft limit, the request's own
+  // size comes first when only it stays under the soft limit.
   const size_t full = policy_.FullSegmentSize(rounded);
   const size_t least = policy_.LeastSegmentSize(rounded);
   const bool least_allowed = least < full;
   const auto reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
-  const size_t watermark = watermark_.load(std::memory_order_relaxed);
-  if (least_allowed && reserved + full > watermark && reserved + least <= watermark) {
+  const size_t soft_limit = soft_limit_.load(std::memory_order_relaxed);
+  if (least_allowed && reserved + full > soft_limit && reserved + least <= soft_limit) {
     return NewSegment(kind, stream, least, context);  // (if it fails, the larger one fails too)
   }
   BlockId block = NewSegment(kind, stream, full, context);
@@ -203,9 +203,9 @@ BlockId DeviceAllocator::NewSegment(PoolKind kind, StreamRef stream, size_t segm
                                     const TraceContext& context) {
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.all().current);
   if (const size_t limit = Limit(); limit != 0 && reserved + segment_size > limit) return kNoBlock;
-  // The device's first memory resolves the watermark below, which needs the device total: asked
-  // now, since asking may fail, and then no segment may be left registered that nobody holds.
-  if (segments_.empty() && watermark_fraction_ != 0.0) TotalMemory();
+  // The device's first memory resolves a soft limit fraction below, which needs the device total:
+  // asked now, since asking may fail, and then no segment may be left registered that nobody holds.
+  if (segments_.empty() && soft_limit_fraction_ != 0.0) TotalMemory();
   absl::StatusOr<void*> memory = backend_.device_malloc(device_, segment_size);
   if (!memory.ok()) {
     if (absl::IsResourceExhausted(memory.status())) return kNoBlock;
@@ -232,7 +232,7 @@ BlockId DeviceAllocator::NewSegment(PoolKind kind, StreamRef stream, size_t segm
   if (policy_.IsOversize(segment_size)) stats_.oversize_segments.Increase(1);
   ++stats_.num_device_alloc;
   Trace(TraceAction::kSegmentAlloc, block.ptr, segment_size, stream.id, context);
-  if (segments_.size() == 1) ResolveWatermark();  // the device's first memory: see SetWatermark
+  if (segments_.size() == 1) ResolveSoftLimit();  // the device's first memory: see SetSoftLimit
   return id;
 }
 
@@ -533,7 +533,7 @@ void DeviceAllocator::SetMemoryFraction(double fraction) {
   memory_fraction_ = fraction;
   limit_ = ComputeLimit();
   limit_resolved_ = true;
-  ResolveWatermark();
+  ResolveSoftLimit();
 }
 
 void DeviceAllocator::SetMemoryLimit(size_t bytes) {
@@ -541,7 +541,7 @@ void DeviceAllocator::SetMemoryLimit(size_t bytes) {
   memory_limit_bytes_ = bytes;
   limit_ = ComputeLimit();
   limit_resolved_ = true;
-  ResolveWatermark();
+  ResolveSoftLimit();
 }
 
 size_t DeviceAllocator::memory_limit() const {

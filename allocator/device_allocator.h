@@ -1,11 +1,15 @@
 // The caching allocator of one device: pools, best-fit search, split and merge, stream-ordered
-// reuse, the memory limit, the out-of-memory ladder, statistics and history. What it finds out
-// about other work while waiting for streams (a failed copy) it reports to a StreamFailureSink and
-// keeps no record of; which allocations are guesses that may not reclaim memory is the caller's
-// to say (MallocOptions). One mutex guards everything; public methods take it, private ones expect
-// it held, and no public method calls another, so the mutex need not be recursive. The failure
-// sink and the free-memory callbacks are the only code of others it calls: the sink under the
-// mutex (lock order: this mutex, then the sink's), the callbacks with the mutex released.
+// reuse, the memory limit, a soft limit, the out-of-memory ladder, statistics and history. What it
+// finds out about other work while waiting for streams (a failed copy) it reports to a
+// StreamFailureSink and keeps no record of; which allocations are guesses that may not reclaim
+// memory, and which are to be declined at the soft limit, is the caller's to say (MallocOptions).
+// What the soft limit stands for (the offload engine's budget) and what to do when an allocation
+// is declined there is BudgetAdaptor's (budget_adaptor.h), composed around it by the front.
+//
+// One mutex guards everything; public methods take it, private ones expect it held, and no public
+// method calls another, so the mutex need not be recursive. The failure sink and the free-memory
+// callbacks are the only code of others it calls: the sink under the mutex (lock order: this
+// mutex, then the sink's), the callbacks with the mutex released.
 #pragma once
 
 #include <atomic>
@@ -44,10 +48,10 @@ using FreeMemoryCallbacksFn = std::function<std::vector<FreeMemoryCallback>()>;
 
 // How far one Malloc may go.
 struct MallocOptions {
-  // An allocation that would take allocated bytes past the watermark is not made: Malloc returns
+  // An allocation that would take allocated bytes past the soft limit is not made: Malloc returns
   // nullptr, so that the caller can relieve the pressure first (outside this lock) and ask again
-  // without it.
-  bool watermark_first = false;
+  // without it. (Checked under the lock Malloc takes anyway: no second lock, no stale count.)
+  bool decline_past_soft_limit = false;
   // False: only a cached block or a new segment may serve. When neither does, Malloc throws
   // OutOfMemoryError at once: no cached segment is released, no pending use waited for, no holder
   // asked, and nothing counts it (not num_alloc_retries, not num_ooms, not the history). For
@@ -81,16 +85,22 @@ class DeviceAllocator {
   DeviceAllocator& operator=(const DeviceAllocator&) = delete;
 
   // `size` in [1, kMaxRequest]. Throws OutOfMemoryError when the ladder is exhausted (or, without
-  // `options.reclaim`, skipped). Returns nullptr only with `options.watermark_first`, over the
-  // watermark. `context` is moved from only when the allocation is made.
+  // `options.reclaim`, skipped). Returns nullptr only with `options.decline_past_soft_limit`, over
+  // the soft limit. `context` is moved from only when the allocation is made.
   void* Malloc(size_t size, StreamRef stream, TraceContext& context, MallocOptions options);
-  // Allocated-bytes level that Malloc keeps allocations from passing unannounced (the offload
-  // engine's budget):
-  // `bytes`, or `fraction` of the device's limit (of its total memory when it has no limit).
-  // A fraction is resolved once the device has reserved memory, so a device nobody allocates on
-  // is never asked for its total (on CUDA that would create its context).
-  void SetWatermark(size_t bytes);
-  void SetWatermarkFraction(double fraction);
+  // The soft limit: a level of device memory the allocator may pass (unlike the memory limit) but
+  // prefers not to. Allocated bytes: Malloc declines an allocation past it when asked to
+  // (MallocOptions::decline_past_soft_limit). Reserved bytes: before taking a segment past it,
+  // Malloc awaits the pending stream uses of the requesting stream's blocks until one serves (see
+  // AwaitPendingUntilFit), and takes a segment of the request's own size when only that stays
+  // under it. `bytes` (SIZE_MAX: none, the default), or `fraction` in (0, 1] of the device's
+  // capacity (its limit, its total memory when it has none or a larger one). A fraction is
+  // resolved under the mutex, when the device first reserves memory (the total is asked before
+  // the segment is kept: should that fail, the allocation fails whole) and again whenever the
+  // limit changes: a device nobody allocates on is never asked for its total (on CUDA that would
+  // create its context), and until it reserves memory nothing is allocated there to limit.
+  void SetSoftLimit(size_t bytes);
+  void SetSoftLimitFraction(double fraction);
   // What an allocation of `size` bytes takes (the size policy's rounding).
   size_t RoundSize(size_t size) const { return policy_.RoundSize(size); }
   // False when a request of `size` on `stream` fits nowhere, whatever is freed: the least segment
@@ -246,7 +256,8 @@ class DeviceAllocator {
   // The segment whose range holds `address`, or segments_.end().
   SegmentMap::const_iterator SegmentContaining(uintptr_t address) const;
   AllocationInfo InfoLocked(const Block& b) const;
-  void ResolveWatermark();
+  // soft_limit_ from soft_limit_fraction_, when one is set (see SetSoftLimit).
+  void ResolveSoftLimit();
   size_t TotalMemory() const;
   // limit_, resolved first if a configured fraction is still pending. Under mutex_.
   size_t Limit() const;
@@ -280,8 +291,9 @@ class DeviceAllocator {
   mutable size_t limit_ = 0;
   mutable bool limit_resolved_ = true;
   int64_t clock_ = 0;  // counts segment allocations, ages free segments for GC
-  std::atomic<size_t> watermark_{std::numeric_limits<size_t>::max()};
-  double watermark_fraction_ = 0.0;  // 0: watermark_ is in bytes as set
+  // Guarded by mutex_, as everything here (relaxed atomic loads: plain loads, no cost).
+  std::atomic<size_t> soft_limit_{std::numeric_limits<size_t>::max()};
+  double soft_limit_fraction_ = 0.0;  // 0: soft_limit_ is in bytes as set
 };
 
 }  // namespace spillway

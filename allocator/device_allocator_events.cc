@@ -1,6 +1,6 @@
 // DeviceAllocator's pending stream uses: a block freed after record_stream waits for one event
 // per other stream that used it. Polled at malloc (ProcessEventsLocked), waited for on the host
-// (SynchronizeAllEvents), or, under a watermark, awaited one at a time until a request fits
+// (SynchronizeAllEvents), or, under a soft limit, awaited one at a time until a request fits
 // (AwaitPendingUntilFit: by the allocating stream where every access follows streams, else by
 // the host). The allocation paths are in
 // device_allocator.cc.
