@@ -149,6 +149,7 @@ OffloadEngine& Runtime::engine() {
   if (engine_ == nullptr) {
     engine_ = std::make_unique<OffloadEngine>(*allocator_, config_.offload);
     for (const char* reason : kTorchSkipReasons) engine_->DeclareSkipReason(reason);
+    if (host_history_entries_) engine_->RecordHostHistory(true, *host_history_entries_);
   }
   return *engine_;
 }
@@ -156,6 +157,13 @@ OffloadEngine& Runtime::engine() {
 OffloadEngine* Runtime::engine_if_created() {
   std::lock_guard lock(mutex_);
   return engine_.get();
+}
+
+void Runtime::RecordHostHistory(bool enabled, size_t max_entries) {
+  std::lock_guard lock(mutex_);
+  host_history_entries_.reset();
+  if (enabled) host_history_entries_ = max_entries;
+  if (engine_ != nullptr) engine_->RecordHostHistory(enabled, max_entries);
 }
 
 void Runtime::EmptyCache(CachingAllocator& allocator) {

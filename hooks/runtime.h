@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "allocator/caching_allocator.h"
@@ -40,6 +41,9 @@ class Runtime {
   // Created on first use with the installed configuration's offload settings.
   OffloadEngine& engine();
   OffloadEngine* engine_if_created();
+  // Turns the pinned host pools' history on (`max_entries` as PinnedPool::RecordHistory) or off,
+  // for the engine made later too: recording it is no reason to make the engine now.
+  void RecordHostHistory(bool enabled, size_t max_entries);
   // Empties `allocator`'s cache and gives back the pinned host chunks no spilled data uses, if
   // the engine exists: spillway.empty_cache() and torch.cuda.empty_cache() through the c10
   // adapter (whose allocator is the installed one; a benchmark's adapter has no engine).
@@ -68,6 +72,7 @@ class Runtime {
   Config config_;
   CachingAllocator* allocator_ = nullptr;
   std::unique_ptr<OffloadEngine> engine_;
+  std::optional<size_t> host_history_entries_;  // while the pinned pools record their history
 };
 
 }  // namespace spillway::torch_layer

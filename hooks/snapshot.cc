@@ -234,16 +234,77 @@ py::dict SpillwaySection(Runtime& runtime, py::dict& block_sections) {
   return section;
 }
 
+// The offload engine's pinned host pools as torch 2.14 shows its own pinned host allocator
+// (torch.cuda.memory._record_memory_history(record_pinned_host_memory=True), PyTorch PR #182407):
+// the layout of the host_segments and host_traces that THCPModule_memorySnapshot builds in
+// torch/csrc/cuda/Module.cpp (read in the copy of that file at commit 25c860357aee of the fork
+// cyyever/pytorch; torch 2.14.1's memory.py documents the same trace entry fields, pool_id
+// included, and its c10/core/CachingDeviceAllocator.h and ATen/core/CachingHostAllocator.h the
+// HostSegmentInfo and host TraceEntry it fills them from). Constant where torch writes constants
+// for host memory: device -1, stream 0, segment_type "small", no expandable segments; pool (0, 0),
+// the default pool, as the engine's buffers are never a CUDA graph's.
+// Where the layouts differ: torch's host allocator never splits what it pins, so each of its
+// segments has one block; a pool chunk is carved into buffers, and its segment lists them all (the
+// device segments' layout), so that a segment_alloc and segment_free of the trace name a segment.
+py::dict HostSegmentDict(const SegmentSnapshot& s) {
+  py::dict seg;
+  seg["device"] = -1;
+  seg["address"] = s.address;
+  seg["total_size"] = s.total_size;
+  seg["allocated_size"] = s.allocated_size;
+  seg["active_size"] = s.active_size;
+  seg["requested_size"] = s.requested_size;
+  seg["stream"] = 0;
+  seg["segment_type"] = "small";
+  seg["segment_pool_id"] = py::make_tuple(0, 0);
+  seg["is_expandable"] = false;
+  // Torch writes frames where it gathered none as an empty list; the pools are called from inside
+  // the engine, where no frames are gathered (GatherPythonFrames).
+  seg["frames"] = py::list();
+  py::list blocks;
+  for (const BlockSnapshot& b : s.blocks) {
+    py::dict blk;
+    blk["address"] = b.address;
+    blk["size"] = b.size;
+    blk["requested_size"] = b.requested_size;
+    blk["state"] = std::string(BlockStateName(b.state));
+    blk["frames"] = py::list();
+    blocks.append(blk);
+  }
+  seg["blocks"] = blocks;
+  return seg;
+}
+
+// One entry of host_traces: torch's trace entry, as its device traces have them, with no frames
+// key (torch adds one only to an entry that gathered a context, and the pools gather none).
+py::dict HostTraceDict(const TraceEntry& e) {
+  py::dict d;
+  d["action"] = std::string(TraceActionName(e.action));
+  d["addr"] = e.addr;
+  d["size"] = e.size;
+  d["stream"] = 0;
+  d["time_us"] = e.time_us;
+  d["compile_context"] = "";
+  d["user_metadata"] = "";
+  d["pool_id"] = py::make_tuple(0, 0);
+  return d;
+}
+
 }  // namespace
 
-void RecordHistory(bool enabled, size_t max_entries, const std::string& stacks, bool free_context) {
+void RecordHistory(bool enabled, size_t max_entries, const std::string& stacks, bool free_context,
+                   bool pinned_host_memory) {
   if (stacks != "python" && stacks != "none") {
     throw InvalidArgumentError("record_history: stacks must be \"python\" or \"none\", got \"" +
                                stacks + "\"");
   }
   ContextGatherer gatherer;
   if (stacks == "python") gatherer = GatherPythonFrames;
-  Runtime::Get().allocator().RecordHistory(enabled, max_entries, std::move(gatherer), free_context);
+  Runtime& runtime = Runtime::Get();
+  CachingAllocator& allocator = runtime.allocator();
+  allocator.RecordHistory(enabled, max_entries, std::move(gatherer), free_context);
+  runtime.RecordHostHistory(enabled && pinned_host_memory,
+                            max_entries == 0 ? allocator.config().history_entries : max_entries);
 }
 
 py::dict Snapshot() {
@@ -337,6 +398,17 @@ py::dict Snapshot() {
   settings["backend"] = "spillway";
   settings["device"] = runtime.mode() == Mode::kSim ? "sim" : "cuda";
   out["allocator_settings"] = settings;
+  // Empty unless recorded, as in torch (which writes both keys either way).
+  py::list host_segments;
+  py::list host_traces;
+  if (OffloadEngine* engine = runtime.engine_if_created();
+      engine != nullptr && engine->host_history_enabled()) {
+    for (const SegmentSnapshot& s : engine->HostSegments())
+      host_segments.append(HostSegmentDict(s));
+    for (const TraceEntry& e : engine->HostHistory()) host_traces.append(HostTraceDict(e));
+  }
+  out["host_segments"] = host_segments;
+  out["host_traces"] = host_traces;
   py::dict block_sections;
   out["spillway"] = SpillwaySection(runtime, block_sections);
   return out;

@@ -1,5 +1,7 @@
 #include "offload/copy_engine.h"
 
+#include <algorithm>
+#include <iterator>
 #include <utility>
 
 namespace spillway {
@@ -35,7 +37,10 @@ CopyEngine::~CopyEngine() = default;
 
 CopyEngine::Device& CopyEngine::Of(int device) {
   auto& slot = devices_.at(static_cast<size_t>(device));
-  if (slot == nullptr) slot = std::make_unique<Device>(backend_, device, host_limit_bytes_);
+  if (slot == nullptr) {
+    slot = std::make_unique<Device>(backend_, device, host_limit_bytes_);
+    if (host_history_entries_) slot->pool.RecordHistory(true, *host_history_entries_);
+  }
   return *slot;
 }
 
@@ -168,6 +173,37 @@ void CopyEngine::TrimHost() {
   for (const int d : started_devices()) {
     PoolCall(d, [](PinnedPool& pool) { pool.Trim(); });
   }
+}
+
+void CopyEngine::RecordHostHistory(bool enabled, size_t max_entries) {
+  host_history_entries_.reset();
+  if (enabled) host_history_entries_ = max_entries;
+  for (const auto& d : devices_) {
+    if (d != nullptr) d->pool.RecordHistory(enabled, max_entries);
+  }
+}
+
+std::vector<SegmentSnapshot> CopyEngine::HostSegments() const {
+  std::vector<SegmentSnapshot> out;
+  for (const auto& d : devices_) {
+    if (d == nullptr) continue;
+    std::vector<SegmentSnapshot> chunks = d->pool.Chunks();
+    std::move(chunks.begin(), chunks.end(), std::back_inserter(out));
+  }
+  return out;
+}
+
+std::vector<TraceEntry> CopyEngine::HostHistory() const {
+  std::vector<TraceEntry> out;
+  for (const auto& d : devices_) {
+    if (d == nullptr) continue;
+    std::vector<TraceEntry> entries = d->pool.history();
+    std::move(entries.begin(), entries.end(), std::back_inserter(out));
+  }
+  // Each pool's entries are in time order already; stable, so equal times keep it.
+  std::stable_sort(out.begin(), out.end(),
+                   [](const TraceEntry& a, const TraceEntry& b) { return a.time_us < b.time_us; });
+  return out;
 }
 
 size_t CopyEngine::host_reserved_bytes() const {

@@ -89,6 +89,15 @@ class CopyEngine {
   void TrimHost();
   size_t host_reserved_bytes() const;
 
+  // The pinned pools' history (PinnedPool::RecordHistory), on the pools made from now on too.
+  void RecordHostHistory(bool enabled, size_t max_entries);
+  bool host_history_enabled() const { return host_history_entries_.has_value(); }
+  // Every started device's pinned chunks, by device, then address.
+  std::vector<SegmentSnapshot> HostSegments() const;
+  // The pools' histories in one list, oldest first (PyTorch has one host allocator, and one
+  // list of its entries).
+  std::vector<TraceEntry> HostHistory() const;
+
  private:
   struct Device {
     Device(Backend& backend, int device, size_t host_limit_bytes);
@@ -110,6 +119,7 @@ class CopyEngine {
   CachingAllocator& allocator_;
   Backend& backend_;
   size_t host_limit_bytes_;
+  std::optional<size_t> host_history_entries_;  // while the pools record their history
   const FailureHandler on_failure_;
   std::vector<std::unique_ptr<Device>> devices_;
 };

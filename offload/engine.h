@@ -146,6 +146,12 @@ class OffloadEngine {
   // Gives every wholly free pinned host chunk back (what spilled data no longer uses): part of
   // spillway.empty_cache().
   void TrimHostMemory();
+  // The pinned host pools' history (PinnedPool::RecordHistory; the pools of devices started
+  // later record too), and what snapshots show of them: PyTorch's host_segments and host_traces.
+  void RecordHostHistory(bool enabled, size_t max_entries);
+  bool host_history_enabled() const;
+  std::vector<SegmentSnapshot> HostSegments() const;
+  std::vector<TraceEntry> HostHistory() const;
 
   void SetConfig(const OffloadConfig& config);
   OffloadConfig config() const;

@@ -47,6 +47,26 @@ OffloadStats OffloadEngine::stats() const {
   return out;
 }
 
+void OffloadEngine::RecordHostHistory(bool enabled, size_t max_entries) {
+  EngineLock lock(mutex_, this);
+  copies_.RecordHostHistory(enabled, max_entries);
+}
+
+bool OffloadEngine::host_history_enabled() const {
+  EngineLock lock(mutex_, this);
+  return copies_.host_history_enabled();
+}
+
+std::vector<SegmentSnapshot> OffloadEngine::HostSegments() const {
+  EngineLock lock(mutex_, this);
+  return copies_.HostSegments();
+}
+
+std::vector<TraceEntry> OffloadEngine::HostHistory() const {
+  EngineLock lock(mutex_, this);
+  return copies_.HostHistory();
+}
+
 void OffloadEngine::ResetPeakStats() {
   EngineLock lock(mutex_, this);
   stats_.spilled_bytes.ResetPeak();

@@ -103,8 +103,9 @@ absl::StatusOr<void*> PinnedPool::Allocate(size_t bytes) {
 
 void PinnedPool::Free(void* ptr, std::optional<StreamRef> last_use) {
   std::lock_guard lock(mu_);
-  LiveBlockLocked(ptr);  // throws for anything but a live buffer
+  const size_t size = LiveBlockLocked(ptr).size;  // throws for anything but a live buffer
   const auto address = reinterpret_cast<uintptr_t>(ptr);
+  TraceLocked(TraceAction::kFreeRequested, address, size);
   if (!last_use.has_value()) {
     ReleaseLocked(address);
     return;
@@ -167,6 +168,78 @@ size_t PinnedPool::buffer_size(const void* ptr) const {
 int64_t PinnedPool::num_backend_allocs() const {
   std::lock_guard lock(mu_);
   return num_backend_allocs_;
+}
+
+void PinnedPool::RecordHistory(bool enabled, size_t max_entries) {
+  std::lock_guard lock(mu_);
+  if (enabled) {
+    history_.Enable(max_entries);
+  } else {
+    history_.Disable();
+    history_.Clear();
+  }
+}
+
+bool PinnedPool::history_enabled() const {
+  std::lock_guard lock(mu_);
+  return history_.enabled();
+}
+
+std::vector<TraceEntry> PinnedPool::history() const {
+  std::lock_guard lock(mu_);
+  return history_.Entries();
+}
+
+std::vector<SegmentSnapshot> PinnedPool::Chunks() const {
+  std::lock_guard lock(mu_);
+  std::vector<SegmentSnapshot> out;
+  out.reserve(chunks_.size());
+  for (const auto& [base, buffer] : chunks_) {
+    SegmentSnapshot segment;
+    segment.device = -1;
+    segment.address = base;
+    segment.total_size = buffer.size();
+    segment.requested_size = buffer.size();
+    // The blocks of a chunk tile it in address order, starting at its base.
+    for (auto it = blocks_.find(base); it != blocks_.end() && it->second.chunk == base; ++it) {
+      const auto& [address, block] = *it;
+      BlockSnapshot b;
+      b.address = address;
+      b.size = block.size;
+      b.requested_size = block.size;
+      switch (block.state) {
+        case State::kFree:
+          b.state = BlockState::kInactive;
+          break;
+        case State::kAllocated:
+          b.state = BlockState::kActiveAllocated;
+          segment.allocated_size += block.size;
+          segment.active_size += block.size;
+          break;
+        case State::kPending:
+          b.state = BlockState::kActivePendingFree;
+          segment.active_size += block.size;
+          break;
+      }
+      segment.blocks.push_back(std::move(b));
+    }
+    out.push_back(std::move(segment));
+  }
+  // chunks_ is a hash map: address order, as the allocator's segments come.
+  std::sort(out.begin(), out.end(), [](const SegmentSnapshot& a, const SegmentSnapshot& b) {
+    return a.address < b.address;
+  });
+  return out;
+}
+
+void PinnedPool::RecordLocked(TraceAction action, uintptr_t address, size_t size) {
+  TraceEntry entry;
+  entry.action = action;
+  entry.device = -1;  // host memory, as PyTorch's host allocator records it
+  entry.addr = address;
+  entry.size = size;
+  entry.time_us = NowMicros();  // the allocator's clock: host and device entries line up
+  history_.Record(std::move(entry));
 }
 
 void PinnedPool::ProcessEventsLocked() {
@@ -232,6 +305,7 @@ uintptr_t PinnedPool::AddChunkLocked(UniqueHostBuffer buffer) {
   reserved_ += size;
   peak_reserved_ = std::max(peak_reserved_, reserved_);
   ++num_backend_allocs_;
+  TraceLocked(TraceAction::kSegmentAlloc, base, size);
   return base;
 }
 
@@ -244,6 +318,7 @@ void* PinnedPool::UseBlockLocked(uintptr_t ptr, size_t rounded) {
   // The buffer keeps the front; the remainder becomes a free block of its own.
   if (split) block.size = rounded;
   in_use_ += block.size;
+  TraceLocked(TraceAction::kAlloc, ptr, block.size);
   if (split) InsertFreeLocked(ptr + rounded, remainder, chunk);  // last: it invalidates `block`
   return reinterpret_cast<void*>(ptr);
 }
@@ -272,6 +347,7 @@ UniqueEvent PinnedPool::TakeEventLocked() {
 void PinnedPool::ReleaseLocked(uintptr_t ptr) {
   const Block block = blocks_.at(ptr);
   in_use_ -= block.size;
+  TraceLocked(TraceAction::kFreeCompleted, ptr, block.size);  // the buffer's, before it coalesces
   blocks_.erase(ptr);
   uintptr_t start = ptr;
   size_t size = block.size;
@@ -321,6 +397,7 @@ size_t PinnedPool::TrimLocked() {
     chunks_.erase(base);  // UniqueHostBuffer hands the memory back
     reserved_ -= size;
     released += size;
+    TraceLocked(TraceAction::kSegmentFree, base, size);
   }
   return released;
 }

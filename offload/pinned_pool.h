@@ -20,6 +20,9 @@
 // Buffers are kGranule-aligned when the backend's chunks are (CUDA and the simulated device both
 // give at least 512-byte alignment).
 //
+// History (off by default): while on, the pool records what it does in the terms of PyTorch's
+// own pinned host allocator (its `host_traces`, torch 2.14): see RecordHistory.
+//
 // Thread-safe: one mutex guards all state. Public methods take it and never call each other;
 // private methods named *Locked expect it held. The mutex is held across backend calls, including
 // the rare `host_malloc` of a new chunk, so that the limit is checked and charged atomically.
@@ -45,6 +48,8 @@
 #include "absl/status/statusor.h"
 #include "allocator/backend.h"
 #include "allocator/backend_raii.h"
+#include "allocator/history.h"
+#include "allocator/snapshot.h"
 
 namespace spillway {
 
@@ -121,6 +126,23 @@ class PinnedPool {
   // Successful `host_malloc` calls made so far (chunks taken from the backend).
   int64_t num_backend_allocs() const;
 
+  // Records the pool's history, as PyTorch's pinned host allocator records its own (torch 2.14's
+  // CachingHostAllocator): segment_alloc and segment_free for chunks taken from and given back to
+  // the backend; alloc for a buffer handed out, free_requested at its Free, free_completed once
+  // it is reusable (at once without `last_use`, else when that last use is over). As in
+  // PyTorch's host entries, device is -1, stream 0, and a buffer's size is its size after
+  // rounding. At most `max_entries` are kept (0 counts as 1; the oldest go first). Disabling
+  // forgets what was recorded, as the allocator's history does. While off, the pool's calls pay
+  // one branch for it.
+  void RecordHistory(bool enabled, size_t max_entries);
+  bool history_enabled() const;
+  // Oldest first.
+  std::vector<TraceEntry> history() const;
+  // Every chunk as a segment (device -1, stream 0: host memory), its blocks in address order:
+  // handed out (kActiveAllocated), freed with its last use pending (kActivePendingFree), or free
+  // (kInactive). A block's requested size is its size, as in PyTorch's host segments.
+  std::vector<SegmentSnapshot> Chunks() const;
+
  private:
   enum class State { kFree, kAllocated, kPending };
 
@@ -157,6 +179,11 @@ class PinnedPool {
   absl::Status LimitErrorLocked(size_t bytes, size_t rounded) const;
   const Block& LiveBlockLocked(const void* ptr) const;
   std::string DescribeNonLiveLocked(const void* ptr) const;
+  // Inline so that, with history off, a call costs its caller one branch.
+  void TraceLocked(TraceAction action, uintptr_t address, size_t size) {
+    if (history_.enabled()) RecordLocked(action, address, size);
+  }
+  void RecordLocked(TraceAction action, uintptr_t address, size_t size);
 
   Backend& backend_;
   const int device_;
@@ -178,6 +205,7 @@ class PinnedPool {
   int64_t num_backend_allocs_ = 0;
   // A failure of earlier work found by Free's event record, rethrown once the buffer is safe.
   std::optional<BackendError> deferred_error_;
+  HistoryRing history_;
 };
 
 }  // namespace spillway

@@ -446,7 +446,8 @@ def residency(tensor):
     return _C.residency(tensor)
 
 
-def record_history(enabled=True, context="all", stacks="python", max_entries=None):
+def record_history(enabled=True, context="all", stacks="python", max_entries=None, *,
+                   record_pinned_host_memory=False):
     """Records allocator events, like torch.cuda.memory._record_memory_history, whose argument
     order it keeps. `enabled` is a bool, or as torch 2.x spells it "all" (record) or None (stop;
     as in torch, stopping also clears the history: take the snapshot first).
@@ -454,7 +455,11 @@ def record_history(enabled=True, context="all", stacks="python", max_entries=Non
     (allocations only; a live block keeps its allocation's frames either way), None (none).
     stacks="python" attaches the Python frames (on threads that hold the GIL); "none" records
     none. max_entries bounds the history ring (oldest events go first); None: the
-    history_entries key (default 100000)."""
+    history_entries key (default 100000).
+    record_pinned_host_memory=True (torch 2.14's keyword) also records the offload engine's
+    pinned host memory, which snapshot() then shows in host_segments and host_traces, as torch
+    shows its pinned host allocator's (with no frames: the pool is used inside the engine). As in
+    torch, a call without it stops that recording."""
     if isinstance(enabled, str) and enabled == "state":
         raise ValueError("enabled='state' (frames of live blocks without an event history) is not "
                          "supported: Spillway records the history with its frames; pass 'all' or "
@@ -483,17 +488,19 @@ def record_history(enabled=True, context="all", stacks="python", max_entries=Non
             f"max_entries must be a positive int number of entries, at most "
             f"{_MAX_HISTORY_ENTRIES} (as for the history_entries key), or None for that key's "
             f"value, got {max_entries!r}")
+    record_pinned_host_memory = _check_bool("record_pinned_host_memory",
+                                            record_pinned_host_memory)
     _require_installed("record_history")
     # 0 asks the allocator for its configured history_entries.
     frames = "none" if context is None else stacks or "none"
     _C.record_history(enabled, 0 if max_entries is None else int(max_entries), frames,
-                      context == "all")
+                      context == "all", record_pinned_host_memory)
 
 
 def snapshot():
-    """PyTorch's snapshot format (segments, device_traces, allocator_settings) plus a
-    "spillway" section: per block its storage entry, residency and keepers; per entry its spill
-    and reload history."""
+    """PyTorch's snapshot format (segments, device_traces, allocator_settings, and torch 2.14's
+    host_segments and host_traces: see record_history) plus a "spillway" section: per block its
+    storage entry, residency and keepers; per entry its spill and reload history."""
     _require_installed("snapshot")
     return _C.snapshot()
 

@@ -210,6 +210,27 @@ def summary(snapshot, top=10):
     return "\n".join(lines)
 
 
+def host_reserved_series(snapshot, t0_us):
+    """Pinned host memory reserved over time, from torch 2.14's host_segments and host_traces
+    (spillway.record_history(..., record_pinned_host_memory=True) records the offload engine's
+    pinned pools there): lists `t` (seconds from `t0_us`; an event before it at 0) and `reserved`
+    (bytes after each chunk taken or given back, the start derived from the end state). None when
+    the snapshot recorded no host history. The pools of all devices together: host segments name
+    no device."""
+    trace = snapshot.get("host_traces") or []
+    if not trace:
+        return None
+    d_reserved = {"segment_alloc": 1, "segment_free": -1}
+    reserved = sum(s["total_size"] for s in snapshot.get("host_segments", []))
+    reserved -= sum(d_reserved.get(e["action"], 0) * e["size"] for e in trace)
+    out = {"t": [0.0], "reserved": [reserved]}
+    for e in trace:
+        reserved += d_reserved.get(e["action"], 0) * e["size"]
+        out["t"].append(max(0.0, (e["time_us"] - t0_us) / 1e6))
+        out["reserved"].append(reserved)
+    return out
+
+
 def legend_labels(paths):
     """The plot's name for each snapshot: none for one; for two their file names, or their whole
     paths where the file names are the same (run1/snap.pickle and run2/snap.pickle)."""
@@ -438,15 +459,26 @@ def html_report(snapshot, name, device=None):
                    f"reserved, peak {html.escape(_mib(max(s['reserved'])))})</h3>")
         out.append(_lane_svg(f"device {d}: allocated bytes over time", allocated, reserved,
                              t_end, DEVICE_FILL))
+        # A history that begins with the host's (no device event) starts the axis there.
+        host = host_reserved_series(
+            snapshot, s["t0_us"] or snapshot.get("host_traces", [{}])[0].get("time_us", 0))
+        pinned = None
+        pinned_note = ""
+        if host is not None:
+            pinned = column_peaks(host["t"], host["reserved"], t_end, LANE_WIDTH)
+            pinned_note = ("; grey line: pinned host memory reserved, all devices' pools, peak "
+                           f"{html.escape(_mib(max(host['reserved'])))}")
         out.append(f'<h3><span class="key" style="background:{HOST_FILL}"></span>host: bytes '
-                   f"spilled to pinned host memory (peak {html.escape(_mib(max(s['spilled'])))})"
-                   "</h3>")
-        out.append(_lane_svg(f"device {d}: bytes spilled to host over time", spilled, None,
+                   f"spilled to pinned host memory (peak {html.escape(_mib(max(s['spilled'])))}"
+                   f"{pinned_note})</h3>")
+        out.append(_lane_svg(f"device {d}: bytes spilled to host over time", spilled, pinned,
                              t_end, HOST_FILL))
         out.append('<p class="note">Allocated: the bytes live allocations requested, as the '
                    "memory viewer's timeline counts them; each pixel column shows the highest "
                    "level within it. Spilled: Spillway's own spill and reload events (the "
-                   "snapshot's <code>spillway</code> section).</p>")
+                   "snapshot's <code>spillway</code> section). Pinned host memory reserved: the "
+                   "snapshot's <code>host_segments</code> and <code>host_traces</code>, there when "
+                   "history was recorded with <code>record_pinned_host_memory=True</code>.</p>")
 
         rows = storage_rows(snapshot, d)
         out.append(f"<h3>Spills and reloads per storage ({len(rows)} storages)</h3>")

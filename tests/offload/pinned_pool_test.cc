@@ -9,11 +9,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -494,6 +496,94 @@ TEST_F(OffloadPinnedPoolEvents, DestructorReturnsEveryChunk) {
     EXPECT_EQ(backend_.host_bytes_in_use(), 3 * kMiB);
   }
   EXPECT_EQ(backend_.host_bytes_in_use(), 0u);
+}
+
+// The history snapshots show as torch 2.14's host_traces, and the chunks as its host_segments
+// (hooks/snapshot.cc): chunks taken and given back, buffers handed out, freed, and reusable,
+// the last only once a freed buffer's last use is over.
+TEST(OffloadPinnedPool, RecordsItsHistoryAndShowsItsChunksInPyTorchsTerms) {
+  SimBackend backend;
+  UniqueStream stream(backend, 0);
+  PinnedPool pool(backend, 0, Grow(kMiB));
+  pool.Free(Take(pool, 4 * kKiB));  // history off: nothing recorded
+  EXPECT_FALSE(pool.history_enabled());
+  EXPECT_TRUE(pool.history().empty());
+
+  pool.RecordHistory(true, 100);
+  void* a = Take(pool, 4 * kKiB);                          // from the cached chunk
+  void* big = Take(pool, 2 * kMiB);                        // a chunk of its own
+  const uintptr_t first = reinterpret_cast<uintptr_t>(a);  // the first chunk's base
+  const uintptr_t second = reinterpret_cast<uintptr_t>(big);
+  // Held until the host waits for the stream: freeing a chunk does (cudaFreeHost synchronizes).
+  std::unique_ptr<SimBackend::StreamHold> hold =
+      backend.hold_stream(0, stream.handle(), SimBackend::HoldRelease::kWhenHostWaits);
+  pool.Free(a, stream.ref());  // its last use is held back: pending
+
+  const std::vector<SegmentSnapshot> chunks = pool.Chunks();
+  ASSERT_EQ(chunks.size(), 2u);
+  for (const SegmentSnapshot& c : chunks) {
+    EXPECT_EQ(c.device, -1);
+    EXPECT_EQ(c.stream, 0u);
+    EXPECT_EQ(c.requested_size, c.total_size);
+    if (c.address == first) {
+      EXPECT_EQ(c.total_size, kMiB);
+      EXPECT_EQ(c.allocated_size, 0u);
+      EXPECT_EQ(c.active_size, 4 * kKiB);
+      ASSERT_EQ(c.blocks.size(), 2u);
+      EXPECT_EQ(c.blocks[0].address, first);
+      EXPECT_EQ(c.blocks[0].size, 4 * kKiB);
+      EXPECT_EQ(c.blocks[0].state, BlockState::kActivePendingFree);
+      EXPECT_EQ(c.blocks[1].address, first + 4 * kKiB);
+      EXPECT_EQ(c.blocks[1].size, kMiB - 4 * kKiB);
+      EXPECT_EQ(c.blocks[1].state, BlockState::kInactive);
+    } else {
+      EXPECT_EQ(c.address, second);
+      EXPECT_EQ(c.total_size, 2 * kMiB);
+      EXPECT_EQ(c.allocated_size, 2 * kMiB);
+      EXPECT_EQ(c.active_size, 2 * kMiB);
+      ASSERT_EQ(c.blocks.size(), 1u);
+      EXPECT_EQ(c.blocks[0].state, BlockState::kActiveAllocated);
+      EXPECT_EQ(c.blocks[0].requested_size, 2 * kMiB);
+    }
+  }
+
+  pool.Free(big);  // no last use: reusable at once
+  // a is still pending when the first Trim looks, so only the second chunk goes; giving it back
+  // waits for the stream, and the second Trim finds a's last use over: it and its chunk go too.
+  pool.Trim();
+  EXPECT_TRUE(hold->opened_by_wait());
+  pool.Trim();
+
+  using Step = std::tuple<TraceAction, uintptr_t, size_t>;
+  std::vector<Step> steps;
+  int64_t previous_time = 0;
+  for (const TraceEntry& e : pool.history()) {
+    steps.emplace_back(e.action, e.addr, e.size);
+    EXPECT_EQ(e.device, -1);
+    EXPECT_EQ(e.stream, 0u);
+    EXPECT_EQ(e.context, nullptr);
+    EXPECT_GE(e.time_us, previous_time);
+    previous_time = e.time_us;
+  }
+  const std::vector<Step> expected = {
+      {TraceAction::kAlloc, first, 4 * kKiB},
+      {TraceAction::kSegmentAlloc, second, 2 * kMiB},
+      {TraceAction::kAlloc, second, 2 * kMiB},
+      {TraceAction::kFreeRequested, first, 4 * kKiB},
+      {TraceAction::kFreeRequested, second, 2 * kMiB},
+      {TraceAction::kFreeCompleted, second, 2 * kMiB},
+      {TraceAction::kSegmentFree, second, 2 * kMiB},
+      {TraceAction::kFreeCompleted, first, 4 * kKiB},
+      {TraceAction::kSegmentFree, first, kMiB},
+  };
+  EXPECT_EQ(steps, expected);
+  EXPECT_TRUE(pool.Chunks().empty());
+
+  pool.RecordHistory(false, 100);  // stopping forgets, as the allocator's history does
+  EXPECT_FALSE(pool.history_enabled());
+  EXPECT_TRUE(pool.history().empty());
+  pool.Free(Take(pool, 4 * kKiB));
+  EXPECT_TRUE(pool.history().empty());
 }
 
 TEST(OffloadPinnedPool, MultiThreadedSmoke) {

@@ -221,3 +221,38 @@ def test_a_snapshot_of_plain_pytorch_gets_both_lanes():
     assert "No spills or reloads on this device." in page
     assert "No allocation saved for backward in the recorded history." in page
     assert "Spillway snapshot: &lt;b&gt;.pickle" in page and "<b>.pickle" not in page
+
+
+def test_the_host_lane_draws_the_pinned_host_memory_of_torch_2_14s_host_keys():
+    """Issue #39: snapshots recorded with record_pinned_host_memory=True carry torch 2.14's
+    host_segments and host_traces; the host lane outlines the pinned memory reserved from them
+    (its chunks taken and given back), which it could not show before."""
+    def entry(action, t, size=1 << 20, **extra):
+        return {"action": action, "addr": 4096, "size": size, "stream": 0, "time_us": t,
+                **extra}
+
+    host = {"compile_context": "", "user_metadata": "", "pool_id": (0, 0)}
+    device_trace = [entry("alloc", 10, frames=[]), entry("free_requested", 30, frames=[]),
+                    entry("free_completed", 30, frames=[])]
+    snap = {"segments": [], "device_traces": [device_trace],
+            "host_segments": [],
+            "host_traces": [entry("segment_alloc", 12, 2 << 20, **host),
+                            entry("alloc", 12, 1 << 20, **host),
+                            entry("free_requested", 15, 1 << 20, **host),
+                            entry("free_completed", 15, 1 << 20, **host),
+                            entry("segment_free", 20, 2 << 20, **host)]}
+    series = report.host_reserved_series(snap, 10)
+    assert series["reserved"] == [0, 2 << 20, 2 << 20, 2 << 20, 2 << 20, 0]
+    assert series["t"] == pytest.approx([0, 2e-6, 2e-6, 5e-6, 5e-6, 10e-6])
+    page = report.html_report(snap, "host.pickle")
+    lanes = re.findall(r'<svg class="lane".*?</svg>', page)
+    assert len(lanes) == 2
+    assert f'stroke="{report.RESERVED_STROKE}"' in lanes[1]  # the host lane's outline
+    assert "pinned host memory reserved, all devices' pools, peak 2.00 MiB" in page
+    assert "nothing held over the recorded history" not in page
+
+    # Without host history (torch writes the keys empty then): no outline in the host lane.
+    snap["host_traces"] = []
+    assert report.host_reserved_series(snap, 10) is None
+    lanes = re.findall(r'<svg class="lane".*?</svg>', report.html_report(snap, "host.pickle"))
+    assert f'stroke="{report.RESERVED_STROKE}"' not in lanes[1]

@@ -316,3 +316,123 @@ def test_the_viewer_prints_what_a_spills_wait_is(recorded):
                 if e.get("category") == "reloaded"]
     assert reloaded and all(e["user_metadata"] == NOTES["reloaded"] for e in reloaded)
     pickle.loads(pickle.dumps(snap, protocol=4))
+
+
+# Torch 2.14's layout of host_segments and host_traces, which snapshots have when memory history
+# is recorded with record_pinned_host_memory=True (PyTorch PR #182407). From
+# torch/csrc/cuda/Module.cpp, THCPModule_memorySnapshot, as read in the copy of that file at
+# commit 25c860357aeeff9a3244a2f3ed71e422d7a999c9 of the fork cyyever/pytorch (its trace entries
+# also carry an "internal_metadata" key when it is set, from a field torch 2.14.1's TraceEntry
+# does not have: c10/core/CachingDeviceAllocator.h of Debian's torch 2.14.1); the trace entry
+# fields, pool_id included, are the TraceEntry that torch 2.14.1's torch/cuda/memory.py documents
+# in _snapshot's docstring. A host segment: device -1, stream 0, segment_type "small",
+# is_expandable False, requested_size its size, frames (empty without a context); its blocks'
+# requested_size is their size. A host trace entry: no frames key without a context.
+HOST_SEGMENT_KEYS = {"device", "address", "total_size", "allocated_size", "active_size",
+                     "requested_size", "stream", "segment_type", "segment_pool_id",
+                     "is_expandable", "frames", "blocks"}
+HOST_BLOCK_KEYS = {"address", "size", "requested_size", "state", "frames"}
+HOST_TRACE_KEYS = {"action", "addr", "size", "stream", "time_us", "compile_context",
+                   "user_metadata", "pool_id"}
+
+
+def check_host_layout(snap):
+    """Every field of the snapshot's host_segments and host_traces against torch 2.14's layout;
+    returns the host blocks by address."""
+    blocks = {}
+    for seg in snap["host_segments"]:
+        assert seg.keys() == HOST_SEGMENT_KEYS, seg.keys()
+        assert seg["device"] == -1 and seg["stream"] == 0
+        assert seg["segment_type"] == "small" and seg["is_expandable"] is False
+        assert seg["segment_pool_id"] == (0, 0) and seg["frames"] == []
+        assert seg["requested_size"] == seg["total_size"]
+        # The blocks tile the segment (a pool chunk), in address order.
+        address = seg["address"]
+        for b in seg["blocks"]:
+            assert b.keys() == HOST_BLOCK_KEYS, b.keys()
+            assert b["address"] == address and b["size"] > 0
+            assert b["requested_size"] == b["size"] and b["frames"] == []
+            assert b["state"] in STATES
+            address += b["size"]
+            blocks[b["address"]] = b
+        assert address == seg["address"] + seg["total_size"]
+
+        def bytes_in(*states):
+            return sum(b["size"] for b in seg["blocks"] if b["state"] in states)
+
+        assert seg["allocated_size"] == bytes_in("active_allocated")
+        assert seg["active_size"] == bytes_in("active_allocated", "active_pending_free")
+    times = []
+    for e in snap["host_traces"]:
+        assert e.keys() == HOST_TRACE_KEYS, e.keys()
+        assert e["action"] in ACTIONS - {"oom", "snapshot"}
+        assert e["addr"] > 0 and e["size"] > 0 and e["stream"] == 0
+        assert e["compile_context"] == "" and e["user_metadata"] == ""
+        assert e["pool_id"] == (0, 0)
+        times.append(e["time_us"])
+    assert times == sorted(times)  # one list, oldest first
+    return blocks
+
+
+def test_the_pinned_host_pool_shows_as_torch_2_14_shows_pinned_memory():
+    """Issue #39: torch 2.14 writes its pinned host allocator into snapshots (host_segments,
+    host_traces) when history is recorded with record_pinned_host_memory=True; Spillway's
+    snapshots had no host memory at all, though its spills live there."""
+    spillway.empty_cache()  # the pinned chunks earlier tests left go back
+    assert stat("spillway.host_reserved_bytes") == 0
+    spillway.record_history(True, max_entries=100000, stacks="python",
+                            record_pinned_host_memory=True)
+    try:
+        model, loss = training_step()  # spills to host
+        during = spillway.snapshot()
+        loss.backward()
+        spillway.synchronize()
+        after = spillway.snapshot()
+        spillway.empty_cache()
+        trimmed = spillway.snapshot()
+    finally:
+        spillway.record_history(False)
+
+    spilled = [e for e in during["spillway"]["entries"] if e["residency"] == "spilled"]
+    assert spilled
+    blocks = check_host_layout(during)
+    assert (sum(s["total_size"] for s in during["host_segments"])
+            == during["spillway"]["stats"]["host_reserved_bytes"] > 0)
+    # One pinned buffer per spilled entry, at least its size.
+    held = sorted(b["size"] for b in blocks.values() if b["state"] == "active_allocated")
+    assert len(held) == len(spilled)
+    assert all(size >= need for size, need in zip(held, sorted(e["nbytes"] for e in spilled)))
+    # The history: the chunk taken (segment_alloc of the whole segment), then each buffer's alloc.
+    trace = during["host_traces"]
+    assert [(e["addr"], e["size"]) for e in trace if e["action"] == "segment_alloc"] == [
+        (s["address"], s["total_size"]) for s in during["host_segments"]]
+    assert sorted((e["addr"], e["size"]) for e in trace if e["action"] == "alloc") == sorted(
+        (a, b["size"]) for a, b in blocks.items() if b["state"] == "active_allocated")
+
+    # Backward reloaded them: each buffer was freed, and its memory is free in the segment.
+    check_host_layout(after)
+    assert all(s["allocated_size"] == s["active_size"] == 0 for s in after["host_segments"])
+    trace = after["host_traces"]
+    assert trace[:len(during["host_traces"])] == during["host_traces"]
+    for entries in allocations(trace):
+        assert [e["action"] for e in entries] == ["alloc", "free_requested", "free_completed"]
+        assert len({(e["addr"], e["size"]) for e in entries}) == 1
+
+    # empty_cache gave the chunks back: segment_free, and no segment left.
+    check_host_layout(trimmed)
+    assert trimmed["host_segments"] == []
+    assert [(e["addr"], e["size"]) for e in trimmed["host_traces"]
+            if e["action"] == "segment_free"] == [
+        (s["address"], s["total_size"]) for s in after["host_segments"]]
+    pickle.loads(pickle.dumps(trimmed, protocol=4))  # plain types only
+
+
+def test_pinned_host_memory_is_recorded_only_when_asked(recorded):
+    """As in torch 2.14: without record_pinned_host_memory=True the keys are there, empty."""
+    model, loss = training_step()
+    snap = spillway.snapshot()
+    loss.backward()
+    assert any(e["residency"] == "spilled" for e in snap["spillway"]["entries"])
+    assert snap["host_segments"] == [] and snap["host_traces"] == []
+    with pytest.raises(ValueError, match="record_pinned_host_memory must be True or False"):
+        spillway.record_history(True, record_pinned_host_memory="yes")
