@@ -103,7 +103,9 @@ TEST_F(HooksTest, SavesWithoutSpillwayMemoryShowOnNoBlock) {
   EXPECT_EQ(KeptSaves::Get().Add(at::Tensor()), 0u);
   EXPECT_EQ(KeptSaves::Get().Add(at::empty({0}, at::kFloat)), 0u);
   std::vector<float> host(16);
-  const uint64_t token = KeptSaves::Get().Add(at::from_blob(host.data(), {16}, at::kFloat));
+  // Kept alive while registered, as the registrant (KeptRegistration) keeps its tensor.
+  const at::Tensor outside = at::from_blob(host.data(), {16}, at::kFloat);
+  const uint64_t token = KeptSaves::Get().Add(outside);
   EXPECT_TRUE(KeptSaves::Get().ByBlock().empty());
   KeptSaves::Get().Remove(token);
 }
