@@ -56,14 +56,6 @@ StreamRef CopyEngine::stream(int device, Residency direction) {
 
 bool CopyEngine::started(int device) const { return Find(device) != nullptr; }
 
-std::vector<int> CopyEngine::started_devices() const {
-  std::vector<int> started;
-  for (const auto& d : devices_) {
-    if (d != nullptr) started.push_back(d->device);
-  }
-  return started;
-}
-
 std::optional<Residency> CopyEngine::DirectionOf(int device, uint64_t stream_id) const {
   const Device* d = Find(device);
   if (d == nullptr) return std::nullopt;
@@ -164,15 +156,11 @@ void CopyEngine::FreeHost(int device, void* host, std::optional<StreamRef> last_
 
 void CopyEngine::SetHostLimit(size_t bytes) {
   host_limit_bytes_ = bytes;
-  for (const int d : started_devices()) {
-    PoolCall(d, [&](PinnedPool& pool) { pool.SetLimit(bytes); });
-  }
+  ForEachStarted([&](int d) { PoolCall(d, [&](PinnedPool& pool) { pool.SetLimit(bytes); }); });
 }
 
 void CopyEngine::TrimHost() {
-  for (const int d : started_devices()) {
-    PoolCall(d, [](PinnedPool& pool) { pool.Trim(); });
-  }
+  ForEachStarted([&](int d) { PoolCall(d, [](PinnedPool& pool) { pool.Trim(); }); });
 }
 
 void CopyEngine::RecordHostHistory(bool enabled, size_t max_entries) {

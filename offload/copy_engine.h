@@ -56,8 +56,14 @@ class CopyEngine {
   // it (on CUDA, a device's context is made by its first stream: not for devices never used).
   StreamRef stream(int device, Residency direction);
   bool started(int device) const;
-  // The devices whose streams were made, in order.
-  std::vector<int> started_devices() const;
+  // Calls `visit(device)` for each device whose streams were made, in order (the policy runs
+  // this at every save: no list is built for it).
+  template <typename Visit>
+  void ForEachStarted(Visit visit) const {
+    for (const auto& d : devices_) {
+      if (d != nullptr) visit(d->device);
+    }
+  }
   // kSpilling for `device`'s copy-out stream, kReloading for its copy-back one, else none (none
   // for a device never started, too).
   std::optional<Residency> DirectionOf(int device, uint64_t stream_id) const;

@@ -18,7 +18,6 @@ namespace spillway {
 
 thread_local int engine_ops = 0;
 thread_local const void* engine_lock_holder = nullptr;
-thread_local bool engine_prefetching = false;
 
 namespace {
 thread_local std::vector<std::shared_ptr<Storage>> deferred_releases;
@@ -327,9 +326,10 @@ OffloadEngine::SpillResult OffloadEngine::Spill(Entry& e) {
 bool OffloadEngine::Reload(EngineLock& lock, Entry& e, StreamRef consumer, bool prefetch) {
   // The memory is allocated with the engine's lock released: the allocation may run the
   // allocator's budget handler and out-of-memory rescue, which take the lock as any caller does
-  // (and, for a prefetch, do nothing: engine_prefetching). Meanwhile the entry is `allocating`:
-  // nobody else reloads it (a read of it waits, a prefetch passes it by), nobody drops it (its
-  // last keeper's going leaves that to this call), and nothing reads its storage's pointer.
+  // (and, for a prefetch's speculative allocation, do nothing). Meanwhile the entry is
+  // `allocating`: nobody else reloads it (a read of it waits, a prefetch passes it by), nobody
+  // drops it (its last keeper's going leaves that to this call), and nothing reads its storage's
+  // pointer.
   e.allocating = true;
   void* ptr = nullptr;
   std::exception_ptr failure;
@@ -339,11 +339,7 @@ bool OffloadEngine::Reload(EngineLock& lock, Entry& e, StreamRef consumer, bool 
       // A prefetch is a guess: it takes free memory only, and a miss is no out-of-memory error
       // (the ladder's waits and cache releases for it cost more than the prefetch could save).
       std::optional<SpeculativeAllocations> speculative;
-      std::optional<PrefetchAllocation> marked;
-      if (prefetch) {
-        speculative.emplace();
-        marked.emplace();
-      }
+      if (prefetch) speculative.emplace();
       ptr = e.storage->allocate_device_memory(consumer);
     } catch (...) {
       failure = std::current_exception();
@@ -498,15 +494,15 @@ void OffloadEngine::SynchronizeLocked() {
   // Entry by entry first, so that a failed copy marks its own entry failed (see ReleaseMemory);
   // the stream-wide waits then cover the copies of entries dropped meanwhile.
   for (const auto& [seq, entry] : table_.InSaveOrder()) Refresh(*entry, /*wait=*/true);
-  for (const int device : copies_.started_devices()) {
+  copies_.ForEachStarted([&](int device) {
     copies_.WaitStream(device, Residency::kSpilling);
     copies_.WaitStream(device, Residency::kReloading);
-  }
+  });
   for (const auto& [seq, entry] : table_.InSaveOrder()) Refresh(*entry);
   // The blocks spills gave back waited only for those copies: free them now, so that statistics
   // and snapshots taken after Synchronize show them free rather than pending until the next
   // allocation.
-  for (const int device : copies_.started_devices()) allocator_.ProcessEvents(device);
+  copies_.ForEachStarted([&](int device) { allocator_.ProcessEvents(device); });
 }
 
 const void* OffloadEngine::window_oldest_for_testing(int device) const {

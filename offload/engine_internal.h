@@ -25,10 +25,6 @@ const OffloadConfig& CheckedOffloadConfig(const OffloadConfig& config);
 extern thread_local int engine_ops;
 // The engine whose lock the calling thread holds, or null.
 extern thread_local const void* engine_lock_holder;
-// Set while the calling thread allocates for a prefetch: the pressure handler and the
-// out-of-memory rescue that allocation calls do nothing (a prefetch is a guess, which stops
-// where memory does rather than push other saves out).
-extern thread_local bool engine_prefetching;
 
 // Storages whose hold the engine gave up while the calling thread held its lock (the entry that
 // kept them went): let go of when the thread's outermost engine operation ends, with no lock of
@@ -100,18 +96,6 @@ class EngineLock {
  private:
   const void* const engine_;
   std::unique_lock<std::mutex> lock_;
-};
-
-// Marks the calling thread's allocations as a prefetch's for the scope (engine_prefetching).
-class PrefetchAllocation {
- public:
-  PrefetchAllocation() : saved_(engine_prefetching) { engine_prefetching = true; }
-  ~PrefetchAllocation() { engine_prefetching = saved_; }
-  PrefetchAllocation(const PrefetchAllocation&) = delete;
-  PrefetchAllocation& operator=(const PrefetchAllocation&) = delete;
-
- private:
-  bool saved_;
 };
 
 }  // namespace spillway

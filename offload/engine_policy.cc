@@ -11,6 +11,7 @@
 #include "allocator/errors.h"
 #include "allocator/format.h"
 #include "allocator/history.h"
+#include "allocator/speculative.h"
 #include "offload/engine.h"
 #include "offload/engine_internal.h"
 
@@ -23,9 +24,12 @@ void OffloadEngine::Prefetch(EngineLock& lock, int device, uint64_t before_seq,
   // Per device: each has its own memory, budget and copy stream.
   DeviceState& state = State(device);
   size_t& prefetched = state.prefetched_bytes;
-  const PrefetchPlan plan(config_.prefetch_bytes, BudgetLocked(device), state.footprint);
+  const std::optional<size_t> window = config_.prefetch_bytes;
+  // Made at the first save there is to bring back: the budget is asked of the allocator, and
+  // most reads find nothing to prefetch.
+  std::optional<PrefetchPlan> plan;
   uint64_t cursor = before_seq;  // newest first, from just below `before_seq`
-  while (plan.Continues(prefetched)) {
+  while (PrefetchPlan::Continues(window, prefetched)) {
     Entry* const candidate = table_.OffloadedBefore(&cursor);
     if (candidate == nullptr) break;
     Entry& e = *candidate;
@@ -38,7 +42,8 @@ void OffloadEngine::Prefetch(EngineLock& lock, int device, uint64_t before_seq,
       table_.UnlistOffloaded(cursor);  // reloaded on demand, or failed
       continue;
     }
-    if (!plan.Admits(prefetched, AllocatedBytes(device), e.nbytes)) break;
+    if (!plan.has_value()) plan.emplace(window, BudgetLocked(device), state.footprint);
+    if (!plan->Admits(prefetched, AllocatedBytes(device), e.nbytes)) break;
     try {
       // Allocated with the lock released; the entry may go meanwhile (its last keeper, on
       // another thread): gone, it is not this prefetch's any more.
@@ -65,7 +70,7 @@ void OffloadEngine::RunPolicy() {
 }
 
 void OffloadEngine::RunPolicyLocked() {
-  for (const int device : copies_.started_devices()) TakeHeardFailures(device);
+  copies_.ForEachStarted([&](int device) { TakeHeardFailures(device); });
   if (config_.policy == OffloadPolicy::kEager) {
     Carry(PlanEager(), kAllDevices);
   } else if (config_.policy == OffloadPolicy::kAuto) {
@@ -151,9 +156,8 @@ void OffloadEngine::SpillInPass(Entry& e, SpillPass& pass) {
 }
 
 size_t OffloadEngine::ReleaseMemory(int device, size_t bytes) {
-  // The allocation is a prefetch's (made by this thread, the engine's lock released): a guess,
-  // which stops when memory runs out rather than push other saves out.
-  if (engine_prefetching) return 0;
+  // (Never for a prefetch's allocation: the allocator asks no holder to make room for a
+  // speculative one, which stops where memory does rather than push other saves out.)
   EngineLock lock(mutex_, this);
   if (device < 0 || device >= static_cast<int>(devices_.size())) return 0;
   // The ladder that calls this may have heard of a copy's failure: settle it before any spill
@@ -203,7 +207,8 @@ size_t OffloadEngine::GiveBackPrefetches(int device, size_t target_allocated) {
 }
 
 void OffloadEngine::OnPressure(int device, size_t incoming_bytes) {
-  if (engine_prefetching) return;  // a prefetch stops at the budget on its own (PrefetchPlan)
+  // A prefetch's (speculative) allocation: it stops at the budget on its own (PrefetchPlan).
+  if (SpeculativeAllocations::Active()) return;
   EngineLock lock(mutex_, this);
   if (config_.policy != OffloadPolicy::kAuto) return;
   TakeHeardFailures(device);

@@ -83,8 +83,12 @@ class PrefetchPlan {
  public:
   // `window`: fixed bytes (OffloadConfig::prefetch_bytes), or none: adaptive.
   PrefetchPlan(std::optional<size_t> window, size_t budget, const ForwardFootprint& footprint);
-  // Whether to look at another save, with `prefetched` bytes prefetched and not read yet.
-  bool Continues(size_t prefetched) const { return !window_.has_value() || prefetched < *window_; }
+  // Whether to look at another save, with `prefetched` bytes prefetched and not read yet: a
+  // fixed window goes on until its bytes are taken. (Static: the engine asks it before it knows
+  // the budget, which it asks the allocator only once there is a save to bring back.)
+  static bool Continues(std::optional<size_t> window, size_t prefetched) {
+    return !window.has_value() || prefetched < *window;
+  }
   // Whether to reload one more save of `bytes`, with `allocated` bytes allocated now. Never past
   // the budget (under "eager" too: the configured fraction of the device), so that backward's own
   // allocations keep their headroom: a prefetch is a guess, and reloads that fill the device make

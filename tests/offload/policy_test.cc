@@ -102,7 +102,7 @@ ForwardFootprint Footprint(size_t saving_high, size_t spilled_high, size_t room_
 
 TEST(PrefetchPlanTest, AdaptiveTakesTheNextSaveAlwaysThenAnEighthOfWhatForwardSpilled) {
   const PrefetchPlan plan(std::nullopt, 1000 * kMiB, Footprint(160 * kMiB, 64 * kMiB));
-  EXPECT_TRUE(plan.Continues(500 * kMiB));                    // no fixed window
+  EXPECT_TRUE(PrefetchPlan::Continues(std::nullopt, 500 * kMiB));  // no fixed window
   EXPECT_TRUE(plan.Admits(0, 150 * kMiB, 32 * kMiB));         // the next save, past the depth too
   EXPECT_TRUE(plan.Admits(4 * kMiB, 100 * kMiB, 4 * kMiB));   // 8 of 8 MiB deep
   EXPECT_FALSE(plan.Admits(4 * kMiB, 100 * kMiB, 5 * kMiB));  // 9 MiB: past an eighth
@@ -125,8 +125,8 @@ TEST(PrefetchPlanTest, NeverPastTheBudgetNotEvenTheNextSave) {
 
 TEST(PrefetchPlanTest, AFixedWindowGoesOnUntilItsBytesAreTakenWhateverForwardDid) {
   const PrefetchPlan plan(size_t{16} * kMiB, 1000 * kMiB, Footprint(0, 0));
-  EXPECT_TRUE(plan.Continues(15 * kMiB));
-  EXPECT_FALSE(plan.Continues(16 * kMiB));
+  EXPECT_TRUE(PrefetchPlan::Continues(size_t{16} * kMiB, 15 * kMiB));
+  EXPECT_FALSE(PrefetchPlan::Continues(size_t{16} * kMiB, 16 * kMiB));
   EXPECT_TRUE(plan.Admits(8 * kMiB, 500 * kMiB, 8 * kMiB));  // no footprint bound
   EXPECT_EQ(WindowLimit(OffloadConfig{}), 0U);               // adaptive keeps no window
 }
