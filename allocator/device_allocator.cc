@@ -13,9 +13,15 @@ namespace spillway {
 
 DeviceAllocator::DeviceAllocator(Backend& backend, int device, const AllocatorConfig& config,
                                  FreeMemoryCallbacksFn callbacks, StreamFailureSink& failures)
+    : DeviceAllocator(backend, device, SizePolicy(config), config, std::move(callbacks), failures) {
+}
+
+DeviceAllocator::DeviceAllocator(Backend& backend, int device, SizePolicy policy,
+                                 const AllocatorConfig& config, FreeMemoryCallbacksFn callbacks,
+                                 StreamFailureSink& failures)
     : backend_(backend),
       device_(device),
-      policy_(config),
+      policy_(policy),
       gc_threshold_(config.garbage_collection_threshold),
       callbacks_(std::move(callbacks)),
       failures_(failures),
@@ -124,7 +130,7 @@ void* DeviceAllocator::Malloc(size_t size, StreamRef stream, TraceContext& conte
     return nullptr;
   }
   ProcessEventsLocked();
-  const PoolKind kind = SizePolicy::PoolFor(rounded);
+  const PoolKind kind = policy_.PoolFor(rounded);
   const size_t segment_size = policy_.FullSegmentSize(rounded);
 
   BlockId block = FindFree(kind, stream, rounded);

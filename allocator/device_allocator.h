@@ -1,5 +1,9 @@
-// The caching allocator of one device: pools, best-fit search, split and merge, stream-ordered
-// reuse, the memory limit, a soft limit, the out-of-memory ladder, statistics and history. What it
+// The stream-ordered caching core: the caching allocator of one device's memory (pools, best-fit
+// search, split and merge, stream-ordered reuse, the memory limit, a soft limit, the
+// out-of-memory ladder, statistics and history). The same core serves pinned host memory: over a
+// HostMemoryBackend (host_memory_backend.h), with the uniform size policy, it is the offload
+// engine's PinnedPool (offload/pinned_pool.h), so that best fit, split, coalesce and the
+// event-deferred reuse of freed blocks exist once. What it
 // finds out about other work while waiting for streams (a failed copy) it reports to a
 // StreamFailureSink and keeps no record of; which allocations are guesses that may not reclaim
 // memory, and which are to be declined at the soft limit, is the caller's to say (MallocOptions).
@@ -31,6 +35,7 @@
 #include "allocator/block.h"
 #include "allocator/config.h"
 #include "allocator/history.h"
+#include "allocator/size_policy.h"
 #include "allocator/snapshot.h"
 #include "allocator/stats.h"
 #include "allocator/stream_error_ledger.h"
@@ -79,6 +84,10 @@ class DeviceAllocator {
   // `failures` hears of the failures of stream work found while waiting for stream uses; it must
   // outlive the allocator.
   DeviceAllocator(Backend& backend, int device, const AllocatorConfig& config,
+                  FreeMemoryCallbacksFn callbacks, StreamFailureSink& failures);
+  // Same, with size classes of the caller's (SizePolicy::Uniform for pinned host memory) instead
+  // of PyTorch's under `config`'s settings.
+  DeviceAllocator(Backend& backend, int device, SizePolicy policy, const AllocatorConfig& config,
                   FreeMemoryCallbacksFn callbacks, StreamFailureSink& failures);
   ~DeviceAllocator();
   DeviceAllocator(const DeviceAllocator&) = delete;

@@ -53,7 +53,7 @@ BlockId DeviceAllocator::AskHolders(PoolKind kind, StreamRef stream, size_t roun
 bool DeviceAllocator::CouldEverFit(size_t size, StreamRef stream) const {
   std::lock_guard lock(mutex_);
   const size_t rounded = policy_.RoundSize(size);
-  return CouldEverFitLocked(SizePolicy::PoolFor(rounded), stream, rounded);
+  return CouldEverFitLocked(policy_.PoolFor(rounded), stream, rounded);
 }
 
 bool DeviceAllocator::CouldEverFitLocked(PoolKind kind, StreamRef stream, size_t rounded) const {

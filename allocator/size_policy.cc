@@ -1,5 +1,6 @@
 #include "allocator/size_policy.h"
 
+#include <algorithm>
 #include <bit>
 
 namespace spillway {
@@ -40,13 +41,22 @@ size_t SizePolicy::RoundSize(size_t size) const {
   return RoundUp(size, kMinBlockSize);
 }
 
-size_t SizePolicy::SegmentSize(size_t rounded) {
+SizePolicy SizePolicy::Uniform(size_t segment_bytes) {
+  SizePolicy policy{AllocatorConfig{}};
+  // At least one block's worth: 0 stands for PyTorch's rules.
+  policy.uniform_segment_ = std::max(RoundUp(segment_bytes, kMinBlockSize), kMinBlockSize);
+  return policy;
+}
+
+size_t SizePolicy::SegmentSize(size_t rounded) const {
+  if (uniform_segment_ != 0) return std::max(rounded, uniform_segment_);
   if (rounded <= kSmallSize) return kSmallBuffer;
   if (rounded < kMinLargeAlloc) return kLargeBuffer;
   return RoundUp(rounded, kRoundLarge);
 }
 
-size_t SizePolicy::SmallestSegmentSize(size_t rounded) {
+size_t SizePolicy::SmallestSegmentSize(size_t rounded) const {
+  if (uniform_segment_ != 0) return rounded;
   return rounded <= kSmallSize ? kSmallBuffer : RoundUp(rounded, kRoundLarge);
 }
 
@@ -75,6 +85,8 @@ size_t SizePolicy::LeastSegmentSize(size_t rounded) const {
 
 bool SizePolicy::ShouldSplit(PoolKind pool, size_t block_size, size_t size) const {
   const size_t remaining = block_size - size;
+  // Uniform: a remainder under 1/64 of the request stays with it (the waste bound in the header).
+  if (uniform_segment_ != 0) return remaining >= std::max(kMinBlockSize, size / 64);
   if (pool == PoolKind::kSmall) return remaining >= kMinBlockSize;
   return size < config_.max_split_size && remaining > kSmallSize;
 }

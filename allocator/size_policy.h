@@ -1,6 +1,14 @@
 // Size classes: how a request is rounded, which pool serves it, how large a new segment is and
-// when a free block is split. The rules are PyTorch's (c10/cuda/CUDACachingAllocator.cpp), so
-// memory behaviour is directly comparable with the default allocator.
+// when a free block is split. Two sets of rules:
+//  - PyTorch's (c10/cuda/CUDACachingAllocator.cpp), for device memory, so that memory behaviour
+//    is directly comparable with the default allocator: two pools, 2 MiB segments for requests up
+//    to 1 MiB, 20 MiB for 1-10 MiB, the request rounded to 2 MiB above;
+//  - uniform (`Uniform`), for pinned host memory (offload/pinned_pool.h): one pool, segments of
+//    at least a given size (pinning costs milliseconds per call: few, large segments), and a
+//    remainder split off when it is at least max(512 B, 1/64 of the request), which bounds a
+//    block's slack beyond the 512-byte rounding by that much. PyTorch's rounding would waste up
+//    to half of the pinned memory its host allocator hands out (powers of two), and its pools
+//    would pin 2 MiB for a 512-byte buffer.
 #pragma once
 
 #include <cstddef>
@@ -24,19 +32,23 @@ enum class PoolKind : uint8_t { kSmall = 0, kLarge = 1 };
 
 class SizePolicy {
  public:
+  // PyTorch's rules, with the configuration's rounding and oversize settings.
   explicit SizePolicy(const AllocatorConfig& config)
       : config_(config), max_split_below_large_buffer_(config.max_split_size < kLargeBuffer) {}
+  // The uniform rules: every request in one pool (kLarge), rounded to kMinBlockSize, new segments
+  // of max(request, `segment_bytes`).
+  static SizePolicy Uniform(size_t segment_bytes);
 
   // Block size for a request of `size` (> 0, <= kMaxRequest) bytes.
   size_t RoundSize(size_t size) const;
-  static PoolKind PoolFor(size_t rounded) {
-    return rounded <= kSmallSize ? PoolKind::kSmall : PoolKind::kLarge;
+  PoolKind PoolFor(size_t rounded) const {
+    return uniform_segment_ == 0 && rounded <= kSmallSize ? PoolKind::kSmall : PoolKind::kLarge;
   }
   // Bytes to ask the backend for when no cached block fits (PyTorch's sizes: a 2 MiB segment
   // for small requests, 20 MiB for 1-10 MiB ones, so the next few come from the same segment).
-  static size_t SegmentSize(size_t rounded);
+  size_t SegmentSize(size_t rounded) const;
   // The least segment that holds the request: what to ask for when SegmentSize does not fit.
-  static size_t SmallestSegmentSize(size_t rounded);
+  size_t SmallestSegmentSize(size_t rounded) const;
   // The segment to take first for a new request: SegmentSize, unless that would leave a remainder
   // that no request below max_split_size could use.
   size_t FullSegmentSize(size_t rounded) const;
@@ -58,6 +70,8 @@ class SizePolicy {
  private:
   size_t RoundUpPower2Division(size_t size, size_t divisions) const;
   AllocatorConfig config_;
+  // Uniform rules: the least new segment (a multiple of kMinBlockSize); 0: PyTorch's rules.
+  size_t uniform_segment_ = 0;
   // Only a max_split_size under kLargeBuffer can make PyTorch's shared segment leave an unusable
   // remainder; set once, so the default configuration's malloc skips FullSegmentSize's search.
   bool max_split_below_large_buffer_;

@@ -17,15 +17,26 @@
 //  - A buffer freed with `last_use` is reused only once the work on that stream (the copy that
 //    filled or drained it) has completed; the pool never blocks the host to find out.
 //
+// How: the pool is the allocator's stream-ordered caching core (allocator/device_allocator.h)
+// composed over pinned memory, not a second implementation of it. The core takes its segments
+// from a HostMemoryBackend (host_malloc behind device_malloc), sizes them with the uniform size
+// policy (SizePolicy::Uniform: the rounding, chunk size and split rule above), and defers a
+// freed block's reuse by the events it records on the streams that used it. Every buffer is
+// allocated on one stream of the pool's own (kAllocationStream, which no real stream is), so any
+// freed buffer serves any request, and every `last_use` is another stream's, waited for. What is
+// the pool's own: statuses instead of exceptions, the limit's trimming, failures heard while
+// waiting for a last use told to the caller (StreamFailure), and history in the terms of
+// PyTorch's host allocator.
+//
 // Buffers are kGranule-aligned when the backend's chunks are (CUDA and the simulated device both
 // give at least 512-byte alignment).
 //
 // History (off by default): while on, the pool records what it does in the terms of PyTorch's
 // own pinned host allocator (its `host_traces`, torch 2.14): see RecordHistory.
 //
-// Thread-safe: one mutex guards all state. Public methods take it and never call each other;
-// private methods named *Locked expect it held. The mutex is held across backend calls, including
-// the rare `host_malloc` of a new chunk, so that the limit is checked and charged atomically.
+// Thread-safe: the core's mutex guards all state; the pool adds none. The core holds it across
+// backend calls, including the rare `host_malloc` of a new chunk, so that the limit is checked
+// and charged atomically.
 //
 // Errors: allocation failures are statuses (see Allocate); caller mistakes throw
 // `InvalidArgumentError`; unexpected backend failures in event or stream calls throw
@@ -34,22 +45,19 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <deque>
-#include <mutex>
 #include <optional>
-#include <string>
-#include <utility>
 #include <vector>
 
-#include "absl/container/btree_map.h"
-#include "absl/container/btree_set.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "allocator/backend.h"
-#include "allocator/backend_raii.h"
+#include "allocator/device_allocator.h"
+#include "allocator/errors.h"
 #include "allocator/history.h"
+#include "allocator/host_memory_backend.h"
 #include "allocator/snapshot.h"
+#include "allocator/stats.h"
+#include "allocator/stream_error_ledger.h"
 
 namespace spillway {
 
@@ -75,9 +83,9 @@ class PinnedPool {
 
   // Every buffer size is a multiple of this.
   static constexpr size_t kGranule = 512;
-  // Larger requests (and a larger `grow_bytes`) are rejected as absurd: no host pins 2^50 bytes,
-  // and it keeps the rounding arithmetic far from overflow.
-  static constexpr size_t kMaxBytes = size_t{1} << 50;
+  // Larger requests (and a larger `grow_bytes`) are rejected as absurd: no host pins a TiB, and
+  // it keeps every block within the core's limits (kMaxRequest).
+  static constexpr size_t kMaxBytes = kMaxRequest;
 
   // `backend` must outlive the pool. `device` is where the pool's events live: streams passed to
   // Free must belong to it. Throws InvalidArgumentError when `grow_bytes` exceeds kMaxBytes.
@@ -144,68 +152,42 @@ class PinnedPool {
   std::vector<SegmentSnapshot> Chunks() const;
 
  private:
-  enum class State { kFree, kAllocated, kPending };
-
-  // A contiguous range of one chunk; the blocks of a chunk tile it in address order.
-  struct Block {
-    size_t size = 0;
-    uintptr_t chunk = 0;  // base address of the chunk it belongs to
-    State state = State::kFree;
+  // A failure of stream work the core heard while waiting for a last use.
+  struct Heard {
+    uint64_t stream;  // StreamRef::id
+    BackendError error;
   };
-
-  // A freed buffer waiting for the last use recorded on its stream.
-  struct Pending {
-    UniqueEvent event;
-    uintptr_t ptr;
+  // The core's sink. The core reports on the thread that called it, under its lock, so each of
+  // the pool's calls collects what it caused into a list of its own (CallScope, thread-local)
+  // and tells its caller: the failure is that caller's to act on, as it was heard in its call.
+  class HeardInCall final : public StreamFailureSink {
+   public:
+    void OnStreamFailure(int device, uint64_t stream, const BackendError& error) override;
   };
+  class CallScope;
 
-  // Free-index key: ordered by (size, address) so `lower_bound` is best fit.
-  using FreeKey = std::pair<size_t, uintptr_t>;
+  // The core's one allocation stream for every buffer: an id no real stream has (stream ids
+  // count up from small numbers), so that no `last_use` is mistaken for it and left unawaited.
+  static constexpr StreamRef kAllocationStream{nullptr, ~uint64_t{0}};
 
-  static const char* StateName(State state);
-  void ProcessEventsLocked();
-  std::optional<uintptr_t> TakeBestFitLocked(size_t rounded);
-  absl::StatusOr<uintptr_t> GrowLocked(size_t bytes, size_t rounded);
-  absl::StatusOr<UniqueHostBuffer> HostMallocLocked(size_t preferred, size_t rounded);
-  uintptr_t AddChunkLocked(UniqueHostBuffer buffer);
-  void* UseBlockLocked(uintptr_t ptr, size_t rounded);
-  bool DeferLocked(uintptr_t ptr, StreamRef last_use);
-  UniqueEvent TakeEventLocked();
-  void ReleaseLocked(uintptr_t ptr);
-  void InsertFreeLocked(uintptr_t ptr, size_t size, uintptr_t chunk);
-  void EraseFreeLocked(uintptr_t ptr);
-  size_t TrimLocked();
-  bool FitsLimitLocked(size_t chunk_bytes) const;
-  absl::Status LimitErrorLocked(size_t bytes, size_t rounded) const;
-  const Block& LiveBlockLocked(const void* ptr) const;
-  std::string DescribeNonLiveLocked(const void* ptr) const;
-  // Inline so that, with history off, a call costs its caller one branch.
-  void TraceLocked(TraceAction action, uintptr_t address, size_t size) {
-    if (history_.enabled()) RecordLocked(action, address, size);
-  }
-  void RecordLocked(TraceAction action, uintptr_t address, size_t size);
+  // A buffer of `rounded` bytes from the core: a cached block or a new chunk, nothing reclaimed
+  // (the core's ladder would wait for pending buffers on the host). Null when neither serves.
+  void* TryTake(size_t rounded);
+  // Why `rounded` bytes could not be had: the limit (ResourceExhausted) or the backend
+  // (Unavailable).
+  absl::Status FailureStatus(size_t bytes, size_t rounded) const;
+  // Throws what the core heard during a call: StreamFailure when it names one stream's earlier
+  // work, else the BackendError (whose work failed is then not known). Nothing when nothing.
+  static void ThrowHeard(const std::vector<Heard>& heard);
+  [[noreturn]] void ThrowNotLive(const void* ptr) const;
+  DeviceStats Stats() const { return core_.stats(); }
 
-  Backend& backend_;
   const int device_;
-  const size_t grow_bytes_;  // rounded to kGranule
-  mutable std::mutex mu_;
-  size_t limit_bytes_;  // SetLimit may change it
-
-  // Declared before the events so that members are destroyed events first, chunks last.
-  absl::flat_hash_map<uintptr_t, UniqueHostBuffer> chunks_;  // by base address
-  absl::btree_map<uintptr_t, Block> blocks_;                 // every block, by address
-  absl::btree_set<FreeKey> free_;                            // blocks in State::kFree
-  // One FIFO per stream id: events on one stream complete in order, so polling stops at the
-  // first incomplete one, and a slow stream does not hold up buffers used on others.
-  absl::flat_hash_map<uint64_t, std::deque<Pending>> pending_;
-  std::vector<UniqueEvent> spare_events_;
-  size_t reserved_ = 0;
-  size_t peak_reserved_ = 0;
-  size_t in_use_ = 0;
-  int64_t num_backend_allocs_ = 0;
-  // A failure of earlier work found by Free's event record, rethrown once the buffer is safe.
-  std::optional<BackendError> deferred_error_;
-  HistoryRing history_;
+  // Declared before the core, which uses both to its end: its destructor waits for pending
+  // buffers and gives every chunk back through the adaptor.
+  HostMemoryBackend host_memory_;
+  HeardInCall heard_;
+  DeviceAllocator core_;
 };
 
 }  // namespace spillway

@@ -51,7 +51,7 @@ void AllocatorDifferentialTest::CheckOutOfMemory(const OutOfMemoryError& e, int 
   // ...and the backend really had no room (or the limit forbade it) for the least segment the
   // allocator may take: the one that holds just the request, unless its block would break the
   // oversize rule.
-  const size_t smallest = SizePolicy::SmallestSegmentSize(rounded);
+  const size_t smallest = policy_.SmallestSegmentSize(rounded);
   const size_t least = policy_.AcceptsBlock(smallest, rounded) ? smallest : segment_size;
   const size_t reserved = static_cast<size_t>(after.reserved_bytes.all().current);
   const bool over_limit = limit_ != 0 && reserved + least > limit_;
@@ -127,7 +127,7 @@ void AllocatorDifferentialTest::CheckMallocPlacement(int released) {
     EXPECT_EQ(m.old_segments.count(seg->address), 0u) << "expected a fresh segment";
     // PyTorch's segment size, or, only when that did not fit, the least that holds the request.
     if (seg->total_size != m.segment_size) {
-      EXPECT_EQ(seg->total_size, SizePolicy::SmallestSegmentSize(m.rounded));
+      EXPECT_EQ(seg->total_size, policy_.SmallestSegmentSize(m.rounded));
       EXPECT_FALSE(m.full_segment_fits)
           << "a smaller segment although " << m.segment_size << " bytes fit";
       ++counts_.least_segments;

@@ -44,7 +44,7 @@ size_t AllocatorDifferentialTest::RandomSize() {
 
 bool AllocatorDifferentialTest::DoMalloc(size_t size, int s) {
   const size_t rounded = policy_.RoundSize(size);
-  const PoolKind pool = SizePolicy::PoolFor(rounded);
+  const PoolKind pool = policy_.PoolFor(rounded);
   const size_t segment_size = FullSegmentSize(rounded);
   const DeviceStats before = alloc_.stats(0);
 
@@ -213,9 +213,9 @@ bool AllocatorDifferentialTest::DoPressure() {
 
 size_t AllocatorDifferentialTest::FullSegmentSize(size_t rounded) const {
   const size_t max_split = policy_.max_split_size();
-  const size_t pytorch_size = SizePolicy::SegmentSize(rounded);
+  const size_t pytorch_size = policy_.SegmentSize(rounded);
   if (rounded >= max_split || pytorch_size - rounded < max_split) return pytorch_size;
-  for (size_t size = SizePolicy::SmallestSegmentSize(rounded); size < pytorch_size;
+  for (size_t size = policy_.SmallestSegmentSize(rounded); size < pytorch_size;
        size += kRoundLarge) {
     const size_t remainder = size - rounded;
     if (size < max_split || (remainder > kSmallSize && remainder < max_split)) return size;
@@ -225,7 +225,7 @@ size_t AllocatorDifferentialTest::FullSegmentSize(size_t rounded) const {
 
 void AllocatorDifferentialTest::DoLeastSegmentProbe() {
   constexpr size_t kRequest = 3 * kMiB;
-  const size_t least = SizePolicy::SmallestSegmentSize(policy_.RoundSize(kRequest));
+  const size_t least = policy_.SmallestSegmentSize(policy_.RoundSize(kRequest));
   // Settle everything (no free may be released during the probe's malloc) and make room on the
   // device for the least segment, freeing random allocations if it is that full.
   for (;;) {

@@ -16,14 +16,38 @@ TEST(SizePolicy, RoundsToMultiplesOf512) {
 }
 
 TEST(SizePolicy, PoolsAndSegmentSizesFollowPyTorch) {
-  EXPECT_EQ(SizePolicy::PoolFor(kMiB), PoolKind::kSmall);
-  EXPECT_EQ(SizePolicy::PoolFor(kMiB + 512), PoolKind::kLarge);
-  EXPECT_EQ(SizePolicy::SegmentSize(512), 2 * kMiB);
-  EXPECT_EQ(SizePolicy::SegmentSize(kMiB), 2 * kMiB);
-  EXPECT_EQ(SizePolicy::SegmentSize(kMiB + 512), 20 * kMiB);
-  EXPECT_EQ(SizePolicy::SegmentSize(10 * kMiB - 512), 20 * kMiB);
-  EXPECT_EQ(SizePolicy::SegmentSize(10 * kMiB), 10 * kMiB);
-  EXPECT_EQ(SizePolicy::SegmentSize(15 * kMiB + 512), 16 * kMiB);
+  const SizePolicy policy{AllocatorConfig{}};
+  EXPECT_EQ(policy.PoolFor(kMiB), PoolKind::kSmall);
+  EXPECT_EQ(policy.PoolFor(kMiB + 512), PoolKind::kLarge);
+  EXPECT_EQ(policy.SegmentSize(512), 2 * kMiB);
+  EXPECT_EQ(policy.SegmentSize(kMiB), 2 * kMiB);
+  EXPECT_EQ(policy.SegmentSize(kMiB + 512), 20 * kMiB);
+  EXPECT_EQ(policy.SegmentSize(10 * kMiB - 512), 20 * kMiB);
+  EXPECT_EQ(policy.SegmentSize(10 * kMiB), 10 * kMiB);
+  EXPECT_EQ(policy.SegmentSize(15 * kMiB + 512), 16 * kMiB);
+}
+
+// The pinned pool's rules: one pool, segments of at least the given size, and a remainder split
+// off only when it is at least max(512 B, 1/64 of the request).
+TEST(SizePolicy, UniformRules) {
+  const SizePolicy policy = SizePolicy::Uniform(64 * kMiB + 1);
+  EXPECT_EQ(policy.RoundSize(1), 512u);
+  EXPECT_EQ(policy.RoundSize(3 * kMiB + 1), 3 * kMiB + 512) << "no power-of-two rounding";
+  EXPECT_EQ(policy.PoolFor(512), PoolKind::kLarge);
+  EXPECT_EQ(policy.PoolFor(kMiB), PoolKind::kLarge);
+  EXPECT_EQ(policy.SegmentSize(512), 64 * kMiB + 512) << "the segment size rounds to 512 B";
+  EXPECT_EQ(policy.SegmentSize(100 * kMiB), 100 * kMiB);
+  EXPECT_EQ(policy.SmallestSegmentSize(512), 512u);
+  EXPECT_EQ(policy.FullSegmentSize(4096), 64 * kMiB + 512);
+  EXPECT_EQ(policy.LeastSegmentSize(4096), 4096u);
+  // 1 MiB - 8 KiB leaves 8 KiB < 15.9 KiB: kept; 1 MiB - 16 KiB leaves 16 KiB >= 15.75 KiB.
+  EXPECT_FALSE(policy.ShouldSplit(PoolKind::kLarge, kMiB, kMiB - (size_t{8} << 10)));
+  EXPECT_TRUE(policy.ShouldSplit(PoolKind::kLarge, kMiB, kMiB - (size_t{16} << 10)));
+  EXPECT_TRUE(policy.ShouldSplit(PoolKind::kLarge, 4096, 3584)) << "512 B is always worth it";
+  EXPECT_FALSE(policy.ShouldSplit(PoolKind::kLarge, 4096, 4096));
+  EXPECT_TRUE(policy.AcceptsBlock(64 * kMiB, 512)) << "no oversize rules";
+  // Segments below one block are none: the least is a block.
+  EXPECT_EQ(SizePolicy::Uniform(0).SegmentSize(512), 512u);
 }
 
 TEST(SizePolicy, RoundupPower2Divisions) {
