@@ -10,6 +10,7 @@
 // runs never degrade under churn.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -41,6 +42,7 @@ class AddressTable {
     if ((size_ + 1) * kMaxLoadDen > slots_.size() * kMaxLoadNum) Grow();
     Place(Slot{static_cast<uint32_t>(Hash(key) >> 32), value});
     ++size_;
+    peak_size_ = std::max(peak_size_, size_);  // for ShrinkToFit's hysteresis
   }
 
   // Removes `key` and returns its value; 0 (and no change) when `key` is absent.
@@ -69,10 +71,15 @@ class AddressTable {
   }
 
   // Gives back what a burst of live allocations grew the table to, once they are gone (the
-  // allocator calls it from empty_cache): the smallest capacity at most half full.
+  // allocator calls it from empty_cache): the smallest capacity at most half full with the most
+  // entries held at once since the last call. That hysteresis is for workloads that repeat
+  // (training steps with empty_cache between them): the table keeps what the last round needed
+  // instead of regrowing, rehash by rehash, every round; what a round no longer needs goes back
+  // at the call after it.
   void ShrinkToFit() {
     size_t capacity = kMinCapacity;
-    while (capacity < 2 * size_) capacity *= 2;
+    while (capacity < 2 * peak_size_) capacity *= 2;
+    peak_size_ = size_;
     if (capacity < slots_.size()) Rehash(capacity);
   }
 
@@ -133,6 +140,7 @@ class AddressTable {
   using Slots = std::vector<Slot>;
   Slots slots_;
   size_t size_ = 0;
+  size_t peak_size_ = 0;  // the most entries held at once since the last ShrinkToFit
   int shift_ = 64 - std::countr_zero(kMinCapacity);
 };
 

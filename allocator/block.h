@@ -227,6 +227,7 @@ class BlockArena {
     if (free_.empty()) Grow();
     const BlockId id = free_.back();
     free_.pop_back();
+    peak_in_use_ = std::max(peak_in_use_, blocks_.size() - free_.size());  // for Trim
     return id;
   }
   // Resets the block for reuse; its extras (if any) are emptied and stay attached to the id, so a
@@ -271,7 +272,10 @@ class BlockArena {
 
   // Gives back the tail of the id space that no block uses any more, as after a burst of blocks
   // is gone (the allocator calls it from empty_cache). Ids in use keep their slots, so nothing
-  // that names a block changes. Linear in the capacity.
+  // that names a block changes. Linear in the capacity. With hysteresis, as the address table's
+  // ShrinkToFit: room stays for the most ids in use at once since the last call, so that a round
+  // that repeats (a training step between empty_cache calls) does not regrow the arena, copy by
+  // copy, every time; what a round no longer needs goes back at the call after it.
   void Trim() {
     std::vector<bool> is_free(blocks_.size(), false);
     for (const BlockId id : free_) is_free[id] = true;
@@ -282,7 +286,8 @@ class BlockArena {
         break;
       }
     }
-    const size_t target = std::max(kMinIds, std::bit_ceil(used_end));
+    const size_t target = std::max(kMinIds, std::bit_ceil(std::max(used_end, peak_in_use_)));
+    peak_in_use_ = blocks_.size() - free_.size();
     if (target >= blocks_.size()) return;
     blocks_.resize(target);
     blocks_.shrink_to_fit();
@@ -310,6 +315,7 @@ class BlockArena {
   std::vector<Block> blocks_;
   std::vector<std::unique_ptr<BlockExtras>> extras_;
   std::vector<BlockId> free_;
+  size_t peak_in_use_ = 0;  // the most ids in use at once since the last Trim (id 0 included)
 };
 
 }  // namespace spillway

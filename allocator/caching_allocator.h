@@ -38,6 +38,7 @@
 #include "allocator/snapshot.h"
 #include "allocator/stats.h"
 #include "allocator/stream_error_ledger.h"
+#include "allocator/stream_memo.h"
 
 namespace spillway {
 
@@ -55,6 +56,14 @@ class CachingAllocator {
   void* Malloc(size_t size, int device, StreamRef stream);
   // Same, resolving a raw stream handle (null = the device's default stream) through the backend.
   void* Malloc(size_t size, int device, StreamHandle stream);
+  // The identity of `stream` of `device`, a stream the caller knows lasts as long as the process
+  // (PyTorch's default and pool streams): resolved once per thread, then remembered (StreamMemo),
+  // so that the hot path makes no backend call for it. Throws InvalidArgumentError for a bad
+  // device.
+  StreamRef ResolveLastingStream(int device, StreamHandle stream) {
+    At(device);  // validate before asking the backend about the stream
+    return lasting_streams_.ResolveLasting(device, stream);
+  }
   // Frees `ptr`. Throws InvalidArgumentError naming what `ptr` is when it is not a live
   // allocation (foreign pointer, double free, interior pointer).
   void Free(void* ptr);
@@ -191,6 +200,7 @@ class CachingAllocator {
   std::vector<std::unique_ptr<StreamErrorLedger>> ledgers_;
   std::vector<std::unique_ptr<DeviceAllocator>> devices_;
   mutable std::atomic<int> last_owner_{0};  // see FindOwner
+  StreamMemo lasting_streams_{*backend_};   // see ResolveLastingStream
 
   std::atomic<bool> recording_{false};
   std::atomic<bool> free_context_{true};

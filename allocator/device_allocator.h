@@ -162,7 +162,8 @@ class DeviceAllocator {
   // Size of the largest cached free block (PyTorch's cacheInfo).
   size_t LargestFreeBlock() const;
   // Host bytes the block arena and the address table hold (they grow with the peak number of
-  // blocks; EmptyCache gives back what no live block needs).
+  // blocks; EmptyCache gives back what neither the live blocks nor the round since the previous
+  // EmptyCache needed: see AddressTable::ShrinkToFit).
   size_t MetadataBytes() const;
   // Completes pending stream-use frees whose events have fired. Malloc does this on its own.
   void ProcessEvents();

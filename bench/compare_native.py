@@ -1,6 +1,8 @@
 """Turns spillway_native_compare_bench's JSON (--benchmark_out) into a markdown table: PyTorch's
 native CUDA allocator and Spillway's side by side, with the ratio (Spillway / native; below 1 is
-faster). Fragmentation is 1 - peak allocated / peak reserved.
+faster). Fragmentation is 1 - peak allocated / peak reserved. Where the cases were repeated, the
+times are the medians, and the last column their spread (coefficient of variation over the
+repetitions, native / Spillway).
 
     python3 bench/compare_native.py native_compare.json > native_compare.md
 """
@@ -18,17 +20,32 @@ def per_op_ns(bench):
     return bench["cpu_time"] * scale
 
 
+def split_name(bench):
+    """(case, allocator, argument) of a run: the benchmark's name, less Google Benchmark's own
+    parts (repeats:N, min_time:T)."""
+    parts = (bench["run_name"] if "run_name" in bench else bench["name"]).split("/")
+    parts = [p for p in parts if not p.startswith(("repeats:", "min_time:"))]
+    return parts[0], parts[1], "/".join(parts[2:])
+
+
 def table(data):
     rows = {}
+    spread = {}
     for bench in data["benchmarks"]:
-        if bench.get("run_type") == "aggregate" and bench.get("aggregate_name") != "median":
+        kind = bench.get("aggregate_name") if bench.get("run_type") == "aggregate" else "run"
+        if kind not in ("run", "median", "cv"):
             continue
-        parts = bench["run_name"].split("/") if "run_name" in bench else bench["name"].split("/")
-        case, allocator, arg = parts[0], parts[1], "/".join(parts[2:])
-        rows.setdefault((case, arg), {})[allocator] = bench
+        case, allocator, arg = split_name(bench)
+        if kind == "cv":
+            spread.setdefault((case, arg), {})[allocator] = bench
+            continue
+        by = rows.setdefault((case, arg), {})
+        # A median stands for its runs (reported too, without ReportAggregatesOnly).
+        if kind == "median" or by.get(allocator, {}).get("aggregate_name") != "median":
+            by[allocator] = bench
     lines = ["| case | native ns/op | Spillway ns/op | Spillway / native "
-             "| fragmentation native / Spillway |",
-             "|---|---|---|---|---|"]
+             "| fragmentation native / Spillway | spread native / Spillway |",
+             "|---|---|---|---|---|---|"]
     for (case, arg), by in rows.items():
         if "native" not in by or "spillway" not in by:
             continue
@@ -36,7 +53,13 @@ def table(data):
         frag = ""
         if "fragmentation" in by["native"]:
             frag = f'{by["native"]["fragmentation"]:.2f} / {by["spillway"]["fragmentation"]:.2f}'
-        lines.append(f"| {case} {arg} | {n:.0f} | {s:.0f} | {s / n:.2f} | {frag} |")
+        cv = spread.get((case, arg), {})
+        var = ""
+        if "native" in cv and "spillway" in cv:
+            # The cv of the time per operation: its counter where the case has one.
+            key = "per_op" if "per_op" in cv["native"] else "cpu_time"
+            var = f'{cv["native"][key]:.0%} / {cv["spillway"][key]:.0%}'
+        lines.append(f"| {case} {arg} | {n:.0f} | {s:.0f} | {s / n:.2f} | {frag} | {var} |")
     return "\n".join(lines)
 
 

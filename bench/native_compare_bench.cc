@@ -6,11 +6,17 @@
 //  - RandomAllocations/<allocator>/<live>: RMM-style churn with 1k/10k/100k live allocations of
 //    1 B .. 64 KiB; per_op is time per operation (a free or a malloc).
 //  - MultiStreamRecordStream/<allocator>/64KiB: malloc, record_stream on a second stream, free.
-//  - TraceReplay/<allocator>/<trace>: the traces in bench/traces/; per-op time and fragmentation
-//    (1 - peak allocated / peak reserved, from the allocator's own getDeviceStats).
+//  - TraceReplay/<allocator>/<trace>/<cold|warm>: the traces in bench/traces/; per-op time and
+//    fragmentation (1 - peak allocated / peak reserved, from the allocator's own
+//    getDeviceStats). Cold: empty_cache before each replay, so the replay takes its segments
+//    (and Spillway regrows its bookkeeping); warm: each replay finds the cache the last one left,
+//    as a training step finds the previous step's.
 //
-// <allocator> is "native" or "spillway"; bench/compare_native.py turns the JSON output into a
-// table of both columns and their ratio. Built only against a CUDA torch >= 2.4; needs a GPU.
+// <allocator> is "native" or "spillway". Each case runs kRepetitions times and reports the
+// median (and the spread) of them, the two allocators one after the other for each case, so that
+// a drift of the machine's speed over the run falls on both alike. bench/compare_native.py turns
+// the JSON output into a table of both columns and their ratio. Built only against a CUDA torch
+// >= 2.4; needs a GPU.
 //
 // Before timing anything, both allocators go through the same correctness check of
 // record_stream (a block used by a busy side stream must not be handed out again until that
@@ -28,6 +34,7 @@
 #include <cstdio>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "allocator/config.h"
@@ -42,6 +49,9 @@ namespace {
 namespace cca = c10::cuda::CUDACachingAllocator;
 
 constexpr size_t kKiB = size_t{1} << 10;
+// Medians of this many runs: single runs of the same case moved by 10-50% between two runs of the
+// benchmark on the H200 (2026-12-04).
+constexpr int kRepetitions = 5;
 
 benchmark::Counter PerOp(double ops) {
   return benchmark::Counter(
@@ -83,26 +93,38 @@ void MultiStreamRecordStream(benchmark::State& state, cca::CUDAAllocator* alloc,
   alloc->emptyCache();
 }
 
-void TraceReplay(benchmark::State& state, cca::CUDAAllocator* alloc, const std::string& path) {
+void Replay(const std::vector<TraceOp>& ops, cca::CUDAAllocator* alloc,
+            std::vector<c10::DataPtr>& ptrs) {
+  for (const TraceOp& op : ops) {
+    if (op.alloc) {
+      ptrs[op.id] = alloc->allocate(op.size);
+    } else {
+      ptrs[op.id].clear();
+    }
+  }
+}
+
+void TraceReplay(benchmark::State& state, cca::CUDAAllocator* alloc, const std::string& path,
+                 bool cold) {
   const std::vector<TraceOp> ops = LoadTrace(path);
   if (ops.empty()) {
     state.SkipWithError(("no operations in " + path).c_str());
     return;
   }
   std::vector<c10::DataPtr> ptrs(MaxTraceId(ops) + 1);
+  alloc->emptyCache();
+  if (!cold) {
+    // The cache a replay leaves, as the previous training step leaves it.
+    Replay(ops, alloc, ptrs);
+    for (c10::DataPtr& p : ptrs) p.clear();
+  }
   double fragmentation = 0;
   for (auto _ : state) {
     state.PauseTiming();
-    alloc->emptyCache();
+    if (cold) alloc->emptyCache();
     alloc->resetPeakStats(0);
     state.ResumeTiming();
-    for (const TraceOp& op : ops) {
-      if (op.alloc) {
-        ptrs[op.id] = alloc->allocate(op.size);
-      } else {
-        ptrs[op.id].clear();
-      }
-    }
+    Replay(ops, alloc, ptrs);
     state.PauseTiming();
     const auto stats = alloc->getDeviceStats(0);
     fragmentation = 1.0 - static_cast<double>(stats.allocated_bytes[0].peak) /
@@ -113,6 +135,8 @@ void TraceReplay(benchmark::State& state, cca::CUDAAllocator* alloc, const std::
   state.SetItemsProcessed(static_cast<int64_t>(state.iterations() * ops.size()));
   state.counters["per_op"] = PerOp(static_cast<double>(ops.size()));
   state.counters["fragmentation"] = fragmentation;
+  for (c10::DataPtr& p : ptrs) p.clear();
+  alloc->emptyCache();
 }
 
 // A host function enqueued on a stream holds the stream until it returns.
@@ -144,20 +168,37 @@ bool RecordStreamHoldsReuse(const std::string& name, cca::CUDAAllocator* alloc) 
   return held;
 }
 
-void RegisterAll(const std::string& name, cca::CUDAAllocator* alloc) {
-  benchmark::RegisterBenchmark(("CachedMallocFree/" + name + "/4KiB").c_str(), CachedMallocFree,
-                               alloc, 4 * kKiB);
+// Registers each case for both allocators in turn (see the top of the file).
+void RegisterAll(cca::CUDAAllocator* native, cca::CUDAAllocator* ours) {
+  const auto both = [&](const std::string& label, const std::string& arg, auto&& register_one) {
+    for (const auto& [name, alloc] :
+         {std::pair<std::string, cca::CUDAAllocator*>{"native", native},
+          std::pair<std::string, cca::CUDAAllocator*>{"spillway", ours}}) {
+      auto* const b = register_one(label + "/" + name + "/" + arg, alloc);
+      b->Repetitions(kRepetitions)->ReportAggregatesOnly(true);
+    }
+  };
+  both("CachedMallocFree", "4KiB", [](const std::string& n, cca::CUDAAllocator* a) {
+    return benchmark::RegisterBenchmark(n.c_str(), CachedMallocFree, a, 4 * kKiB);
+  });
   for (size_t live : {size_t{1000}, size_t{10000}, size_t{100000}}) {
-    benchmark::RegisterBenchmark(("RandomAllocations/" + name + "/" + std::to_string(live)).c_str(),
-                                 RandomAllocations, alloc, live);
+    both("RandomAllocations", std::to_string(live),
+         [&](const std::string& n, cca::CUDAAllocator* a) {
+           return benchmark::RegisterBenchmark(n.c_str(), RandomAllocations, a, live);
+         });
   }
-  benchmark::RegisterBenchmark(("MultiStreamRecordStream/" + name + "/64KiB").c_str(),
-                               MultiStreamRecordStream, alloc, 64 * kKiB);
+  both("MultiStreamRecordStream", "64KiB", [](const std::string& n, cca::CUDAAllocator* a) {
+    return benchmark::RegisterBenchmark(n.c_str(), MultiStreamRecordStream, a, 64 * kKiB);
+  });
   for (const char* trace : {"tiny_lm_no_offload", "tiny_lm_eager"}) {
     const std::string path = std::string(SPILLWAY_TRACE_DIR) + "/" + trace + ".trace";
-    benchmark::RegisterBenchmark(("TraceReplay/" + name + "/" + trace).c_str(), TraceReplay, alloc,
-                                 path)
-        ->Unit(benchmark::kMicrosecond);
+    for (const bool cold : {true, false}) {
+      both("TraceReplay", std::string(trace) + (cold ? "/cold" : "/warm"),
+           [&](const std::string& n, cca::CUDAAllocator* a) {
+             return benchmark::RegisterBenchmark(n.c_str(), TraceReplay, a, path, cold)
+                 ->Unit(benchmark::kMicrosecond);
+           });
+    }
   }
 }
 
@@ -185,8 +226,7 @@ int main(int argc, char** argv) {
   ours->init(devices);
   spillway::RecordStreamHoldsReuse("native", native);  // the control
   const bool ours_ok = spillway::RecordStreamHoldsReuse("spillway", ours);
-  spillway::RegisterAll("native", native);
-  spillway::RegisterAll("spillway", ours);
+  spillway::RegisterAll(native, ours);
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return ours_ok ? 0 : 1;

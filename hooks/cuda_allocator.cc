@@ -120,7 +120,7 @@ class SpillwayCudaAllocator final : public Base {
   // --- c10::Allocator ---
   c10::DataPtr allocate(size_t size) {
     const c10::DeviceIndex device = CurrentDevice();
-    void* ptr = Malloc(size, device, c10::cuda::getCurrentCUDAStream(device).stream());
+    void* ptr = Malloc(size, device, c10::cuda::getCurrentCUDAStream(device));
     return {ptr, ptr, &RawDeleteFn, c10::Device(c10::DeviceType::CUDA, device)};
   }
   c10::DeleterFnPtr raw_deleter() const { return &RawDeleteFn; }
@@ -131,7 +131,7 @@ class SpillwayCudaAllocator final : public Base {
   // --- raw allocation ---
   void* raw_alloc(size_t nbytes) {
     const c10::DeviceIndex device = CurrentDevice();
-    return Malloc(nbytes, device, c10::cuda::getCurrentCUDAStream(device).stream());
+    return Malloc(nbytes, device, c10::cuda::getCurrentCUDAStream(device));
   }
   void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) {
     return Malloc(nbytes, CurrentDevice(), stream);
@@ -200,11 +200,7 @@ class SpillwayCudaAllocator final : public Base {
     // Like PyTorch's: storages not allocated here (null, or another allocator's) are ignored.
     if (ptr.get() == nullptr || ptr.get_deleter() != &RawDeleteFn) return;
     // The stream may be another device's, as PyTorch allows (its free then waits on the host).
-    Guard([&] {
-      alloc_.RecordStream(ptr.get(),
-                          alloc_.backend().resolve_stream(stream.device_index(), stream.stream()),
-                          stream.device_index());
-    });
+    Guard([&] { alloc_.RecordStream(ptr.get(), Resolve(stream), stream.device_index()); });
   }
 
   // --- statistics ---
@@ -368,6 +364,23 @@ class SpillwayCudaAllocator final : public Base {
 
   void* Malloc(size_t size, c10::DeviceIndex device, cudaStream_t stream) {
     return Guard([&] { return alloc_.Malloc(size, device, static_cast<StreamHandle>(stream)); });
+  }
+  void* Malloc(size_t size, c10::DeviceIndex device, const c10::cuda::CUDAStream& stream) {
+    return Guard([&] { return alloc_.Malloc(size, device, Resolve(stream)); });
+  }
+
+  // c10's own streams (each device's default stream and its pool streams) are created once and
+  // never destroyed, so their identity is remembered per thread (CachingAllocator::
+  // ResolveLastingStream): no device guard, cudaGetDevice or cudaStreamGetId per malloc. An
+  // external stream (torch.cuda.ExternalStream, whose c10 id is its handle: an even, non-zero
+  // id, in c10's encoding since torch 2.0) may be destroyed and its handle reused for another
+  // stream: it is resolved every time.
+  StreamRef Resolve(const c10::cuda::CUDAStream& stream) {
+    const auto handle = static_cast<StreamHandle>(stream.stream());
+    const c10::StreamId id = stream.id();
+    if (id != 0 && (id & 1) == 0)
+      return alloc_.backend().resolve_stream(stream.device_index(), handle);
+    return alloc_.ResolveLastingStream(stream.device_index(), handle);
   }
 
   // As PyTorch calls them: the device, the request (PyTorch passes the segment size it tried for

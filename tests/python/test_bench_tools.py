@@ -19,9 +19,9 @@ def test_pairs_native_and_spillway_and_takes_their_ratio():
         bench("MultiStreamRecordStream/native/64KiB", 500.0),  # no Spillway row: left out
     ]}
     lines = compare_native.table(data).splitlines()
-    assert lines[2] == "| CachedMallocFree 4KiB | 200 | 100 | 0.50 |  |"
-    assert lines[3] == "| RandomAllocations 1000 | 300 | 450 | 1.50 |  |"
-    assert lines[4] == "| TraceReplay tiny_lm_eager | 80 | 40 | 0.50 | 0.25 / 0.12 |"
+    assert lines[2] == "| CachedMallocFree 4KiB | 200 | 100 | 0.50 |  |  |"
+    assert lines[3] == "| RandomAllocations 1000 | 300 | 450 | 1.50 |  |  |"
+    assert lines[4] == "| TraceReplay tiny_lm_eager | 80 | 40 | 0.50 | 0.25 / 0.12 |  |"
     assert len(lines) == 5
 
 
@@ -35,4 +35,38 @@ def test_uses_the_median_of_repetitions_and_converts_units():
              aggregate_name="median"),
     ]}
     lines = compare_native.table(data).splitlines()
-    assert lines[2] == "| CachedMallocFree 4KiB | 300 | 150 | 0.50 |  |"
+    assert lines[2] == "| CachedMallocFree 4KiB | 300 | 150 | 0.50 |  |  |"
+
+
+def test_names_lose_the_repeats_part_and_the_spread_is_shown():
+    """What the benchmark writes with Repetitions(5) and ReportAggregatesOnly: names carry
+    "repeats:5", and each case has its median and its cv, here both per operation."""
+    def agg(name, which, per_op):
+        return dict(bench(name + "/repeats:5", 1.0, per_op=per_op), run_type="aggregate",
+                    aggregate_name=which)
+    data = {"benchmarks": [
+        agg("TraceReplay/native/tiny_lm_eager/warm", "mean", 1.0),
+        agg("TraceReplay/native/tiny_lm_eager/warm", "median", 100e-9),
+        agg("TraceReplay/native/tiny_lm_eager/warm", "cv", 0.04),
+        agg("TraceReplay/spillway/tiny_lm_eager/warm", "median", 70e-9),
+        agg("TraceReplay/spillway/tiny_lm_eager/warm", "cv", 0.125),
+        agg("TraceReplay/native/tiny_lm_eager/cold", "median", 200e-9),
+        agg("TraceReplay/spillway/tiny_lm_eager/cold", "median", 150e-9),
+    ]}
+    lines = compare_native.table(data).splitlines()
+    assert lines[2] == "| TraceReplay tiny_lm_eager/warm | 100 | 70 | 0.70 |  | 4% / 12% |"
+    assert lines[3] == "| TraceReplay tiny_lm_eager/cold | 200 | 150 | 0.75 |  |  |"
+    assert len(lines) == 4
+
+
+def test_a_median_stands_for_the_runs_it_sums_up():
+    data = {"benchmarks": [
+        bench("CachedMallocFree/native/4KiB/repeats:3", 400.0),
+        dict(bench("CachedMallocFree/native/4KiB/repeats:3", 200.0), run_type="aggregate",
+             aggregate_name="median"),
+        bench("CachedMallocFree/native/4KiB/repeats:3", 900.0),
+        dict(bench("CachedMallocFree/spillway/4KiB/repeats:3", 100.0), run_type="aggregate",
+             aggregate_name="median"),
+    ]}
+    lines = compare_native.table(data).splitlines()
+    assert lines[2] == "| CachedMallocFree 4KiB | 200 | 100 | 0.50 |  |  |"
