@@ -72,6 +72,7 @@ TEST(StreamMemo, MemosDoNotShareWhatTheyRemember) {
 TEST(StreamMemo, MoreStreamsThanSlotsStillAnswerRight) {
   ResolveCountingBackend backend;
   std::vector<std::unique_ptr<UniqueStream>> streams;
+  streams.reserve(6);
   for (int i = 0; i < 6; ++i) streams.push_back(std::make_unique<UniqueStream>(backend, 0));
   StreamMemo memo(backend);
   for (int round = 0; round < 3; ++round) {
