@@ -1,7 +1,8 @@
 // The engine's lock is a plain mutex that no call it makes takes again: a reload's or a
 // prefetch's device memory is allocated with it released. What that must keep: other threads go
-// on meanwhile, one storage is reloaded once however many reads race for it, and an entry whose
-// last keeper goes during its allocation outlives that allocation, then goes.
+// on meanwhile, one storage is reloaded once however many reads race for it, an entry whose last
+// keeper goes during its allocation outlives that allocation, then goes, and a storage the
+// program releases by force during its reload's allocation is not brought back.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -10,6 +11,7 @@
 #include <future>
 #include <memory>
 #include <optional>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -150,6 +152,48 @@ TEST_F(OffloadEngineLocking, AnEntryWhoseLastKeeperGoesWhileItsPrefetchAllocates
   // Only b's block is allocated, and a's host copy went with its entry.
   EXPECT_EQ(AllocStat("allocated_bytes.all.current"), static_cast<int64_t>(2 * kMiB));
   EXPECT_EQ(EngineStat("host_bytes.current"), 0);
+}
+
+// spillway.release(force=True) on one thread (MarkReleased) while another thread's read of the
+// same storage allocates its reload: the read fails naming the release, the memory it allocated
+// goes back, and the host copy went with the release; the engine goes on.
+TEST_F(OffloadEngineLocking, AStorageReleasedByForceDuringItsReloadsAllocationIsNotBroughtBack) {
+  KeeperId id = 0;
+  auto s = Spilled(2 * kMiB, 5, &id);
+  const int64_t allocated_before = AllocStat("allocated_bytes.all.current");
+  ASSERT_GT(EngineStat("host_bytes.current"), 0);
+  Gate gate;
+  s->before_allocating = gate.Hook();
+  std::string failure;
+  std::thread reader([&] {
+    try {
+      engine_->Acquire(id, compute_);
+    } catch (const Error& e) {
+      failure = e.what();
+    }
+  });
+  ASSERT_TRUE(gate.AwaitEntered());
+  std::atomic<bool> released{false};
+  std::thread releaser([&] {
+    engine_->MarkReleased(s.get(), "released by force while its reload allocated");
+    released = true;
+  });
+  const bool released_during_allocation = PollUntil([&] { return released.load(); });
+  gate.Open();
+  reader.join();
+  releaser.join();
+  EXPECT_TRUE(released_during_allocation) << "MarkReleased waited for another thread's allocation";
+  EXPECT_NE(failure.find("released by force while its reload allocated"), std::string::npos)
+      << "the read did not fail naming the release: \"" << failure << "\"";
+  EXPECT_EQ(s->data(), nullptr) << "the reload's memory stayed with a released storage";
+  EXPECT_EQ(AllocStat("allocated_bytes.all.current"), allocated_before);
+  engine_->Synchronize();
+  EXPECT_EQ(EngineStat("host_bytes.current"), 0) << "the host copy outlived the release";
+  EXPECT_EQ(engine_->Describe(s.get())->residency, Residency::kFailed);
+  // The engine goes on: another storage spills and comes back whole.
+  KeeperId other = 0;
+  auto t = Spilled(2 * kMiB, 6, &other);
+  EXPECT_EQ(AcquireAndRead(other, 2 * kMiB), Pattern(2 * kMiB, 6));
 }
 
 }  // namespace
