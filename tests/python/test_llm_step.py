@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -15,10 +16,15 @@ BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "be
 
 
 def load_bench():
+    """bench/llm_step.py's parts, as a namespace: the configurations (llm_step_common) and the
+    report (llm_step_report)."""
     spec = importlib.util.spec_from_file_location("llm_step", BENCH)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    spec.loader.exec_module(module)  # puts bench/ on sys.path, where its parts are
+    import llm_step_common
+    import llm_step_report
+    return types.SimpleNamespace(**vars(llm_step_common), **{
+        name: getattr(llm_step_report, name) for name in ("annotate", "flops_per_step")})
 
 
 @pytest.mark.models

@@ -1,0 +1,269 @@
+"""bench/llm_step.py's report: each row's physical bound (annotate), the out-of-memory frontier, the
+markdown tables, the plot of memory saved against step-time overhead, and the summary."""
+
+import math
+
+from llm_step_common import CHECKPOINTED, CONFIGS, GIB, MIB
+
+
+def ok_rows(rows, model, config):
+    return {r["seq"]: r for r in rows
+            if r["model"] == model and r["config"] == config and r["status"] == "ok"}
+
+
+def flops_per_step(m, seq):
+    """Training FLOPs of one step: 6 per weight per token (the embedding lookup is free, the head
+    is not), plus causal attention's 6 * layers * width * length per token."""
+    weights = m["params"] - m["vocab_size"] * m["hidden_size"] * (
+        0 if m["tie_word_embeddings"] else 1)
+    tokens = m["batch"] * seq
+    return tokens * (6 * weights + 6 * m["layers"] * m["hidden_size"] * seq)
+
+
+def annotate(rows, models, link):
+    """Adds to each row what is read against the reference: memory saved, step-time overhead,
+    the losses' comparison, and the physical bound."""
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        ref = ok_rows(rows, r["model"], "pytorch").get(r["seq"])
+        if r["config"] == "pytorch":
+            r["losses_vs_reference"] = "(reference)"
+        elif ref is not None:
+            if r["losses"] == ref["losses"]:
+                r["losses_vs_reference"] = "bitwise equal"
+            else:
+                diff = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))
+                r["losses_vs_reference"] = f"differ (max |d| {diff:.3g})"
+        else:
+            r["losses_vs_reference"] = "no reference at this length"
+        if ref is not None:
+            r["saved_fraction"] = 1 - r["peak_allocated"] / ref["peak_allocated"]
+            r["overhead_fraction"] = r["median_step_s"] / ref["median_step_s"] - 1
+        if not link or not r.get("to_host_per_step"):
+            continue
+        base_config = "checkpoint" if r["config"] in CHECKPOINTED else "pytorch"
+        base = ok_rows(rows, r["model"], base_config)
+        m = models[r["model"]]
+        if r["seq"] in base:
+            compute, basis = base[r["seq"]]["median_step_s"], "measured"
+        elif base:
+            s = max(base)
+            compute = base[s]["median_step_s"] * flops_per_step(m, r["seq"]) / flops_per_step(m, s)
+            basis = f"FLOPs-scaled from {s}"
+        else:
+            continue
+        d2h = r["to_host_per_step"] / (link["d2h_gbps"] * 1e9)
+        h2d = r["to_device_per_step"] / (link["h2d_gbps"] * 1e9)
+        r["bound"] = {"compute_s": compute, "compute_basis": f"{base_config}, {basis}",
+                      "d2h_s": d2h, "h2d_s": h2d, "bound_s": max(compute, d2h, h2d)}
+        r["step_over_bound"] = r["median_step_s"] / r["bound"]["bound_s"]
+
+
+def frontier(rows, models, configs):
+    """Per model and configuration: the longest length trained and what stopped it."""
+    out = []
+    for config in configs:
+        for name, m in models.items():
+            mine = [r for r in rows if r["model"] == name and r["config"] == config]
+            unavailable = [r for r in mine if r["status"] == "unavailable"]
+            entry = {"model": name, "config": config, "longest": None, "stopped": None}
+            if unavailable:
+                entry["stopped"] = unavailable[0]["reason"]
+                out.append(entry)
+                continue
+            by_seq = {r["seq"]: r for r in mine}
+            for seq in m["seqs"]:
+                r = by_seq.get(seq)
+                if r is None:
+                    entry["stopped"] = f"not run at {seq}"
+                    break
+                if r["status"] == "ok":
+                    entry["longest"] = seq
+                    continue
+                entry["stopped"] = {"oom": f"out of memory at {seq}",
+                                    "skipped": f"skipped at {seq} (host-memory cap)",
+                                    "no_time": f"no time at {seq}",
+                                    "error": f"error at {seq}"}.get(r["status"], r["status"])
+                if r["status"] == "oom":
+                    entry["first_oom"] = seq
+                break
+            else:
+                entry["stopped"] = "trained every length tried"
+            out.append(entry)
+    return out
+
+
+def fmt(value, scale=1.0, digits=1):
+    if value is None:
+        return ""
+    return f"{value / scale:.{digits}f}"
+
+
+def markdown(meta, rows, models, front):
+    sim = meta["device"] == "sim"
+    unit, scale = ("MiB", MIB) if sim else ("GiB", GIB)
+    time_label = "step (s, host CPU)" if sim else "step (s)"
+    lines = [f"# llm_step: {meta['device_name']}, {meta['date']}", ""]
+    lines.append(f"torch {meta['torch']}, transformers {meta['transformers']}, Python "
+                 f"{meta['python']}; {meta['steps']} steps per length (the first is warm-up); "
+                 f"determinism {meta['determinism']}; {meta['elapsed_s']:.0f} s of a "
+                 f"{meta['budget_s']:.0f} s budget.")
+    link = meta.get("link") or {}
+    if "d2h_gbps" in link:
+        lines.append(f"Link (pinned, {link['link_bytes'] / GIB:.0f} GiB copies, best of 5): "
+                     f"D2H {link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} GB/s.")
+    else:
+        lines.append(f"Link: {link.get('reason', 'not measured')}.")
+    if sim:
+        lines.append("On the simulated device the reference runs on Spillway's allocator (it is "
+                     "the device) without offload; step times are the host CPU's, and say "
+                     "nothing of a GPU's.")
+    for name, m in models.items():
+        lines += ["", f"## {name}: {m['label']}", "",
+                  f"{m['params'] / 1e9:.3f} B parameters, batch {m['batch']}, lengths "
+                  f"{', '.join(map(str, m['seqs']))}" +
+                  (f", simulated device of {m['capacity_mb']} MiB" if sim else ""), "",
+                  f"| configuration | length | result | tokens/s | {time_label} | vs ref step |"
+                  f" peak alloc ({unit}) | vs ref | peak reserved ({unit}) | to host / step "
+                  f"({unit}) | back / step ({unit}) | stall / step (ms) | bound (s) | step / "
+                  f"bound | losses |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        for config, label in CONFIGS:
+            mine = [r for r in rows if r["model"] == name and r["config"] == config]
+            for r in mine:
+                if r["status"] == "skipped" and "beyond" in r.get("reason", ""):
+                    continue
+                if r["status"] != "ok":
+                    seq = r["seq"] if r["seq"] is not None else ""
+                    reason = r.get("reason", "").replace("|", "/")
+                    lines.append(f"| {label} | {seq} | {r['status']}: {reason} |" + " |" * 12)
+                    continue
+                bound = r.get("bound") or {}
+                step_ratio = r["overhead_fraction"] + 1 if "overhead_fraction" in r else None
+                peak_ratio = 1 - r["saved_fraction"] if "saved_fraction" in r else None
+                cells = [label, r["seq"], "ok", f"{r['tokens_per_s']:.0f}",
+                         f"{r['median_step_s']:.3f}", fmt(step_ratio, 1, 2),
+                         fmt(r["peak_allocated"], scale, 2), fmt(peak_ratio, 1, 2),
+                         fmt(r["peak_reserved"], scale, 2),
+                         fmt(r.get("to_host_per_step"), scale, 2),
+                         fmt(r.get("to_device_per_step"), scale, 2),
+                         fmt(r.get("stall_per_step_s"), 1e-3, 1),
+                         fmt(bound.get("bound_s"), 1, 3), fmt(r.get("step_over_bound"), 1, 2),
+                         r["losses_vs_reference"]]
+                lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += ["", "## Out-of-memory frontier: the longest length each configuration trained", "",
+              "| configuration | " + " | ".join(models) + " |",
+              "|---|" + "---|" * len(models)]
+    for config, label in CONFIGS:
+        cells = []
+        for name in models:
+            e = next(f for f in front if f["model"] == name and f["config"] == config)
+            longest = e["longest"] if e["longest"] is not None else "none"
+            cells.append(f"{longest} ({e['stopped']})".replace("|", "/"))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(meta, rows, models, front, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 8.5))
+    colors = plt.get_cmap("tab20").colors
+    markers = ["o", "s", "^", "D"]
+    for ci, (config, label) in enumerate(CONFIGS):
+        for mi, name in enumerate(models):
+            pts = [r for r in rows if r["model"] == name and r["config"] == config
+                   and r["status"] == "ok" and "saved_fraction" in r]
+            if not pts:
+                continue
+            xs = [100 * r["saved_fraction"] for r in pts]
+            ys = [100 * r["overhead_fraction"] for r in pts]
+            ax.scatter(xs, ys, color=colors[ci % len(colors)], marker=markers[mi % 4], s=45,
+                       label=f"{label} [{name}]")
+            for x, y, r in zip(xs, ys, pts):
+                ax.annotate(str(r["seq"]), (x, y), fontsize=6, xytext=(3, 3),
+                            textcoords="offset points")
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.axvline(0, color="grey", lw=0.5)
+    ax.set_xlabel("memory saved: 1 - peak allocated / reference's (%)")
+    ax.set_ylabel("step-time overhead over the reference (%)")
+    ax.set_title("Memory saved against step time (labels: sequence length)")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
+
+    names = list(models)
+    height = 0.8 / max(1, len(names))
+    low = math.log2(min(min(m["seqs"]) for m in models.values())) - 1
+    for mi, name in enumerate(names):
+        for ci, (config, _) in enumerate(CONFIGS):
+            e = next(f for f in front if f["model"] == name and f["config"] == config)
+            y = ci + mi * height
+            value = e["longest"] or 0
+            width = math.log2(value) - low if value else 0
+            bx.barh(y, width, left=low, height=height * 0.9,
+                    color=colors[(2 * mi) % len(colors)], label=name if ci == 0 else None)
+            tag = e["stopped"] or ""
+            tag = ("OOM" if tag.startswith("out of memory") else
+                   "host cap" if "host-memory" in tag else
+                   "time" if tag.startswith("no time") or tag.startswith("not run") else
+                   "all" if tag.startswith("trained every") else
+                   "n/a" if e["longest"] is None else tag.split(" ")[0])
+            bx.text(low + width + 0.05, y, f"{value or '-'} ({tag})", va="center", fontsize=6)
+    bx.set_yticks([c + 0.4 - height / 2 for c in range(len(CONFIGS))])
+    bx.set_yticklabels([label for _, label in CONFIGS], fontsize=7)
+    bx.invert_yaxis()
+    bx.set_xlim(left=low)
+    bx.set_xlabel("longest sequence trained (log2)")
+    bx.set_title("Out-of-memory frontier (what stopped it in brackets)")
+    bx.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"llm_step on {meta['device_name']} ({meta['date']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def summary(meta, rows, models, front):
+    """The lines printed last: the link, the frontier, and per model the rows at the longest
+    length the reference trained."""
+    sim = meta["device"] == "sim"
+    unit, scale = ("MiB", MIB) if sim else ("GiB", GIB)
+    out = [f"llm_step summary: {meta['device_name']}, {meta['elapsed_s']:.0f} s"]
+    link = meta.get("link") or {}
+    out.append(f"link: D2H {link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} GB/s"
+               if "d2h_gbps" in link else f"link: {link.get('reason', 'n/a')}")
+    for name in models:
+        ref = ok_rows(rows, name, "pytorch")
+        if not ref:
+            out.append(f"{name}: the reference trained no length")
+            continue
+        seq = max(ref)
+        out += ["", f"{name} at length {seq} (the longest the reference trained):",
+                f"| configuration | tokens/s | vs ref step | peak alloc ({unit}) | vs ref | "
+                f"to host/step ({unit}) | step/bound | losses |", "|---|---:|---:|---:|---:|---:|"
+                "---:|---|"]
+        for config, label in CONFIGS:
+            r = ok_rows(rows, name, config).get(seq)
+            if r is None:
+                continue
+            out.append(f"| {label} | {r['tokens_per_s']:.0f} | "
+                       f"{r['median_step_s'] / ref[seq]['median_step_s']:.2f} | "
+                       f"{r['peak_allocated'] / scale:.2f} | {1 - r['saved_fraction']:.2f} | "
+                       f"{fmt(r.get('to_host_per_step'), scale, 2)} | "
+                       f"{fmt(r.get('step_over_bound'), 1, 2)} | {r['losses_vs_reference']} |")
+    out += ["", "OOM frontier (longest length trained; what stopped it):",
+            "| configuration | " + " | ".join(models) + " |", "|---|" + "---|" * len(models)]
+    for config, label in CONFIGS:
+        cells = []
+        for name in models:
+            e = next(f for f in front if f["model"] == name and f["config"] == config)
+            stopped = e["stopped"] or ""
+            if e["longest"] is None and ":" in stopped:  # not run here: the reason's head
+                stopped = stopped.split(":")[0]
+            cells.append(f"{e['longest'] or 'none'} ({stopped})".replace("|", "/"))
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
