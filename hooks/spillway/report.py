@@ -485,26 +485,17 @@ def html_report(snapshot, name, device=None):
         out.append('<p class="note">A storage is named by its address (the offload engine\'s '
                    "key), which a later storage may take over: its events then share the row. "
                    "Only events within the recorded history are counted.</p>")
-        if rows:
-            out.append("<table><tr><th class=left>storage entry</th><th>bytes</th><th>spills</th>"
-                       "<th>reloads</th><th>prefetches given back</th><th>dropped spilled</th>"
-                       "<th>failed</th><th>first spill</th><th>last reload</th>"
-                       "<th class=left>at the snapshot</th></tr>")
-            for r in rows[:ROW_LIMIT]:
-                first = "" if r["first_spill_s"] is None else f"{r['first_spill_s']:.3f} s"
-                last = "" if r["last_reload_s"] is None else f"{r['last_reload_s']:.3f} s"
-                out.append(f"<tr><td class=left>{r['entry']:#x}</td>"
-                           f"<td>{html.escape(_mib(r['bytes']))}</td><td>{r['spill']}</td>"
-                           f"<td>{r['reload']}</td><td>{r['prefetch_given_back']}</td>"
-                           f"<td>{r['drop_spilled']}</td><td>{r['failed']}</td>"
-                           f"<td>{first}</td><td>{last}</td>"
-                           f"<td class=left>{html.escape(r['residency'])}</td></tr>")
-            out.append("</table>")
-            if len(rows) > ROW_LIMIT:
-                out.append(f'<p class="note">{len(rows) - ROW_LIMIT} smaller storages not '
-                           "shown.</p>")
-        else:
-            out.append('<p class="note">No spills or reloads on this device.</p>')
+        storage_cells = []
+        for r in rows[:ROW_LIMIT]:
+            first = "" if r["first_spill_s"] is None else f"{r['first_spill_s']:.3f} s"
+            last = "" if r["last_reload_s"] is None else f"{r['last_reload_s']:.3f} s"
+            storage_cells.append([f"{r['entry']:#x}", _mib(r["bytes"]), r["spill"], r["reload"],
+                                  r["prefetch_given_back"], r["drop_spilled"], r["failed"], first,
+                                  last, r["residency"]])
+        out.extend(_table(["storage entry", "bytes", "spills", "reloads", "prefetches given back",
+                           "dropped spilled", "failed", "first spill", "last reload",
+                           "at the snapshot"], (0, 9), storage_cells, len(rows), "storages",
+                          "No spills or reloads on this device."))
 
         places = saved_by_place(snapshot, d)
         out.append("<h3>Bytes saved for backward, per place in the code</h3>")
@@ -514,23 +505,30 @@ def html_report(snapshot, name, device=None):
                    "allocation, its function and file (a module's op is counted under the "
                    "forward that called it). Only allocations the recorded history saw are "
                    "counted.</p>")
-        if places:
-            out.append("<table><tr><th class=left>innermost frame</th><th>saved</th>"
-                       "<th>of which spilled</th><th>allocations</th></tr>")
-            for p in places[:ROW_LIMIT]:
-                out.append(f"<tr><td class=left>{html.escape(p['where'])}</td>"
-                           f"<td>{html.escape(_mib(p['bytes']))}</td>"
-                           f"<td>{html.escape(_mib(p['spilled_bytes']))}</td>"
-                           f"<td>{p['count']}</td></tr>")
-            out.append("</table>")
-            if len(places) > ROW_LIMIT:
-                out.append(f'<p class="note">{len(places) - ROW_LIMIT} smaller places not '
-                           "shown.</p>")
-        else:
-            out.append('<p class="note">No allocation saved for backward in the recorded '
-                       "history.</p>")
+        place_cells = [[p["where"], _mib(p["bytes"]), _mib(p["spilled_bytes"]), p["count"]]
+                       for p in places[:ROW_LIMIT]]
+        out.extend(_table(["innermost frame", "saved", "of which spilled", "allocations"], (0,),
+                          place_cells, len(places), "places",
+                          "No allocation saved for backward in the recorded history."))
     out.append("</body></html>")
     return "\n".join(out) + "\n"
+
+
+def _table(headers, left, cells, total, noun, empty_note):
+    """An HTML table of `cells` (escaped; the columns numbered in `left` left-aligned), a note of
+    the `total` - len(cells) smaller `noun` not shown, or `empty_note` when `total` is 0."""
+    if total == 0:
+        return [f'<p class="note">{html.escape(empty_note)}</p>']
+
+    def row(tag, values):
+        return "<tr>" + "".join(
+            f"<{tag}{' class=left' if i in left else ''}>{html.escape(str(v))}</{tag}>"
+            for i, v in enumerate(values)) + "</tr>"
+
+    out = ["<table>" + row("th", headers)] + [row("td", c) for c in cells] + ["</table>"]
+    if total > len(cells):
+        out.append(f'<p class="note">{total - len(cells)} smaller {noun} not shown.</p>')
+    return out
 
 
 def _check_output(parser, option, path, suffixes, what):
