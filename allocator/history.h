@@ -96,7 +96,7 @@ struct TraceEntry {
   int64_t time_us = 0;  // microseconds since the Unix epoch
   TraceContext context;
   // The recording thread's labels (set by HistoryRing::Record); null: none.
-  TraceLabelsRef labels;
+  TraceLabelsRef labels = nullptr;
 };
 
 int64_t NowMicros();

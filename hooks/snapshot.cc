@@ -190,8 +190,8 @@ py::list AnnotationList(const std::vector<AnnotationEntry>& annotations) {
 class RecordFunctionCallbacks {
  public:
   static RecordFunctionCallbacks& Get() {
-    static auto* const callbacks = new RecordFunctionCallbacks;  // leaked: process lifetime
-    return *callbacks;
+    static RecordFunctionCallbacks callbacks;
+    return callbacks;
   }
 
   void Set(bool enabled, bool compile_context, bool global_annotations) {
@@ -207,13 +207,13 @@ class RecordFunctionCallbacks {
     if (annotations_ == 0) {
       at::RecordFunctionCallback callback(&AnnotateStart, &AnnotateEnd);
       callback.scopes({at::RecordScope::USER_SCOPE});
-      annotations_ = global_annotations ? at::addGlobalCallback(std::move(callback))
-                                        : at::addThreadLocalCallback(std::move(callback));
+      annotations_ = global_annotations ? at::addGlobalCallback(callback)
+                                        : at::addThreadLocalCallback(callback);
     }
     if (compile_context && compile_contexts_ == 0) {
       at::RecordFunctionCallback callback(&CompileRegionStart, &CompileRegionEnd);
       callback.scopes({at::RecordScope::FUNCTION});
-      compile_contexts_ = at::addGlobalCallback(std::move(callback));
+      compile_contexts_ = at::addGlobalCallback(callback);
     }
   }
 
