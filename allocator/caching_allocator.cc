@@ -1,5 +1,6 @@
 #include "allocator/caching_allocator.h"
 
+#include <algorithm>
 #include <exception>
 #include <utility>
 
@@ -282,6 +283,11 @@ void CachingAllocator::RecordHistory(bool enabled, size_t max_entries, ContextGa
   }
   const size_t entries = max_entries == 0 ? config_.history_entries : max_entries;
   for (const auto& device : devices_) device->RecordHistory(enabled, entries);
+  {
+    std::lock_guard lock(annotations_mutex_);
+    annotation_capacity_ = std::max<size_t>(entries, 1);
+    while (annotations_.size() > annotation_capacity_) annotations_.pop_front();
+  }
   recording_.store(enabled, std::memory_order_relaxed);
   // Stopping also forgets what was recorded, as PyTorch's allocator does: a snapshot after the
   // stop shows no history, and the next recording starts from nothing.
@@ -290,7 +296,36 @@ void CachingAllocator::RecordHistory(bool enabled, size_t max_entries, ContextGa
 
 void CachingAllocator::ClearHistory() {
   for (const auto& device : devices_) device->ClearHistory();
+  std::lock_guard lock(annotations_mutex_);
+  annotations_.clear();
 }
+
+void CachingAllocator::RecordAnnotation(int device,
+                                        std::vector<std::pair<std::string, std::string>> metadata) {
+  if (!recording_.load(std::memory_order_relaxed)) return;
+  AnnotationEntry entry{device, NowMicros(), std::move(metadata)};
+  std::lock_guard lock(annotations_mutex_);
+  if (annotations_.size() >= annotation_capacity_ && !annotations_.empty()) {
+    annotations_.pop_front();
+  }
+  annotations_.push_back(std::move(entry));
+}
+
+void CachingAllocator::PushCompileContext(std::string context) {
+  if (!recording_.load(std::memory_order_relaxed)) return;
+  trace_labels::PushCompileContext(std::move(context));
+}
+
+void CachingAllocator::PopCompileContext() {
+  if (!recording_.load(std::memory_order_relaxed)) return;
+  trace_labels::PopCompileContext();
+}
+
+void CachingAllocator::SetUserMetadata(std::string metadata) {
+  trace_labels::SetUserMetadata(std::move(metadata));
+}
+
+std::string CachingAllocator::user_metadata() const { return trace_labels::UserMetadata(); }
 
 std::optional<SegmentRange> CachingAllocator::SegmentOf(const void* ptr) const {
   std::optional<SegmentRange> range;
@@ -307,6 +342,8 @@ Snapshot CachingAllocator::TakeSnapshot() const {
     snapshot.device_traces.push_back(device->history());
     device->CollectStreamHandles(snapshot.stream_handles);
   }
+  std::lock_guard lock(annotations_mutex_);
+  snapshot.external_annotations.assign(annotations_.begin(), annotations_.end());
   return snapshot;
 }
 

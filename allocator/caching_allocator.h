@@ -22,12 +22,14 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "allocator/backend.h"
@@ -112,9 +114,30 @@ class CachingAllocator {
   void RecordHistory(bool enabled, size_t max_entries = 0, ContextGatherer gatherer = {},
                      bool free_context = true);
   bool history_enabled() const { return recording_.load(std::memory_order_relaxed); }
-  // Drops the recorded entries of every device; recording continues if it was on.
+  // Drops the recorded entries of every device, and the annotations; recording continues if it
+  // was on.
   void ClearHistory();
   Snapshot TakeSnapshot() const;
+
+  // What PyTorch's allocator records beside the trace (torch calls its c10 allocator's
+  // recordAnnotation, push/popCompileContext and set/getUserMetadata; the c10 adapter forwards
+  // them here, and the torch layer calls them itself for the simulated device). None of it is on
+  // the allocation path: trace entries take the thread's labels when recorded (HistoryRing).
+  //
+  // An annotation (a record_function range's "START" or "END") for the snapshot's
+  // external_annotations, while history is recorded; `device` is the caller's current device,
+  // recorded as given. Kept, oldest first, in a ring of the history's capacity; dropped with the
+  // history (ClearHistory, or stopping).
+  void RecordAnnotation(int device, std::vector<std::pair<std::string, std::string>> metadata);
+  // The calling thread's compile-context stack; the trace entries it records carry its top. As in
+  // PyTorch, both are ignored while history is not recorded, so a pop after recording started
+  // may meet an empty stack, which stays empty.
+  void PushCompileContext(std::string context);
+  void PopCompileContext();
+  // The calling thread's user metadata, carried by the trace entries it records from now on ("":
+  // none). Kept whether or not history is recorded, as PyTorch keeps it.
+  void SetUserMetadata(std::string metadata);
+  std::string user_metadata() const;
 
   // Memory pressure: before a Malloc that would take `device`'s allocated bytes past its
   // watermark (by `incoming_bytes`, the request after the size policy's rounding), the handler runs
@@ -206,6 +229,10 @@ class CachingAllocator {
   std::atomic<bool> free_context_{true};
   mutable std::mutex gatherer_mutex_;
   ContextGatherer gatherer_;
+  // RecordAnnotation's ring: at most annotation_capacity_ entries, the newest.
+  mutable std::mutex annotations_mutex_;
+  std::deque<AnnotationEntry> annotations_;
+  size_t annotation_capacity_ = 0;
 
   StreamErrorLedger& LedgerOf(const DeviceAllocator& device) const {
     return *ledgers_[static_cast<size_t>(device.device())];

@@ -1,8 +1,11 @@
 #include "allocator/history.h"
 
 #include <chrono>
+#include <memory>
 #include <new>
+#include <string>
 #include <utility>
+#include <vector>
 
 namespace spillway {
 
@@ -40,6 +43,59 @@ std::string_view TraceCategoryName(TraceCategory category) {
   return "unknown";
 }
 
+namespace trace_labels {
+namespace {
+
+// One per thread, as PyTorch's (DeviceCachingAllocator's static thread_local compile_context and
+// user_metadata). `current` is rebuilt on each change, which is rare (a compiled region's entry
+// and exit, a metadata change), so that recording an entry only copies a pointer.
+struct ThreadLabels {
+  std::vector<std::string> compile_contexts;
+  std::string user_metadata;
+  TraceLabelsRef current;
+
+  void Refresh() {
+    if (compile_contexts.empty() && user_metadata.empty()) {
+      current = nullptr;
+      return;
+    }
+    current = std::make_shared<const TraceLabels>(TraceLabels{
+        compile_contexts.empty() ? std::string() : compile_contexts.back(), user_metadata});
+  }
+};
+
+ThreadLabels& This() {
+  thread_local ThreadLabels labels;
+  return labels;
+}
+
+}  // namespace
+
+void PushCompileContext(std::string context) {
+  ThreadLabels& labels = This();
+  labels.compile_contexts.push_back(std::move(context));
+  labels.Refresh();
+}
+
+void PopCompileContext() {
+  ThreadLabels& labels = This();
+  if (labels.compile_contexts.empty()) return;
+  labels.compile_contexts.pop_back();
+  labels.Refresh();
+}
+
+void SetUserMetadata(std::string metadata) {
+  ThreadLabels& labels = This();
+  labels.user_metadata = std::move(metadata);
+  labels.Refresh();
+}
+
+const std::string& UserMetadata() { return This().user_metadata; }
+
+const TraceLabelsRef& Current() { return This().current; }
+
+}  // namespace trace_labels
+
 int64_t NowMicros() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
              std::chrono::system_clock::now().time_since_epoch())
@@ -65,6 +121,7 @@ void HistoryRing::Clear() {
 
 void HistoryRing::Record(TraceEntry entry) {
   if (!enabled_) return;
+  entry.labels = trace_labels::Current();
   // Grown as entries come, as PyTorch's ring is: its default asks for sys.maxsize entries.
   if (ring_.size() < max_entries_) {
     try {

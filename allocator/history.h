@@ -7,7 +7,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace spillway {
@@ -50,6 +52,38 @@ std::string_view TraceCategoryName(TraceCategory category);
 using TraceContext = std::shared_ptr<const void>;
 using ContextGatherer = std::function<TraceContext()>;
 
+// What PyTorch's allocator attaches to each trace entry from the thread that records it (torch
+// 2.7 on): the top of the thread's compile-context stack (the "Torch-Compiled Region: 0/1" that
+// Dynamo's code runs in, pushed and popped by torch's RecordFunction callback) and the thread's
+// user metadata (torch.cuda.memory._set_memory_metadata). Shared, immutable: an entry holds a
+// pointer, so recording costs no string copies.
+struct TraceLabels {
+  std::string compile_context;  // empty: none (PyTorch then writes "N/A")
+  std::string user_metadata;    // empty: none
+};
+using TraceLabelsRef = std::shared_ptr<const TraceLabels>;
+
+// The calling thread's labels, as PyTorch keeps them: per thread (its `static thread_local`
+// compile_context stack and user_metadata), so shared by every allocator of the process. Setting
+// them is up to the front (CachingAllocator), which decides when they count.
+namespace trace_labels {
+void PushCompileContext(std::string context);
+void PopCompileContext();  // an empty stack stays empty, as in PyTorch
+void SetUserMetadata(std::string metadata);
+const std::string& UserMetadata();
+// Null while the thread has neither a compile context nor user metadata.
+const TraceLabelsRef& Current();
+}  // namespace trace_labels
+
+// One record_function boundary (PyTorch's AnnotationEntry, its snapshot's
+// `external_annotations`): the key/value pairs torch passes ({"name", ...}, {"stage", "START"} or
+// "END"), the device current on the recording thread, and when.
+struct AnnotationEntry {
+  int device = 0;
+  int64_t time_us = 0;  // microseconds since the Unix epoch, as TraceEntry::time_us
+  std::vector<std::pair<std::string, std::string>> metadata;
+};
+
 struct TraceEntry {
   TraceAction action = TraceAction::kAlloc;
   // Of a free_requested or free_completed: the block's when it was freed (an allocation is
@@ -61,6 +95,8 @@ struct TraceEntry {
   uint64_t stream = 0;  // StreamRef::id
   int64_t time_us = 0;  // microseconds since the Unix epoch
   TraceContext context;
+  // The recording thread's labels (set by HistoryRing::Record); null: none.
+  TraceLabelsRef labels = nullptr;
 };
 
 int64_t NowMicros();
@@ -75,6 +111,7 @@ class HistoryRing {
   bool enabled() const { return enabled_; }
   void Clear();
 
+  // Records `entry` with the calling thread's labels (trace_labels::Current), while enabled.
   void Record(TraceEntry entry);
   // Oldest first.
   std::vector<TraceEntry> Entries() const;

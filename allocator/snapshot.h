@@ -43,6 +43,8 @@ struct SegmentSnapshot {
 struct Snapshot {
   std::vector<SegmentSnapshot> segments;               // by device, then address
   std::vector<std::vector<TraceEntry>> device_traces;  // one list per device, oldest first
+  // Of every device, oldest first (CachingAllocator::RecordAnnotation).
+  std::vector<AnnotationEntry> external_annotations;
   // Stream id -> the stream's handle as an integer, for every stream a segment was ever made for
   // (segments and trace entries name streams by id; PyTorch's snapshots name them by handle).
   std::map<uint64_t, uintptr_t> stream_handles;

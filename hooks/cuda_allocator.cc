@@ -95,6 +95,37 @@ cca::TraceEntry::Action ToC10(TraceAction action) {
   return cca::TraceEntry::ALLOC;
 }
 
+// What a c10 trace entry carries of the recording thread's labels: compile_context_ and
+// user_metadata_, which torch's TraceEntry has only from the release that added each (neither in
+// torch 2.6; both in 2.13 and 2.14), so each is set where the member exists (a template, so that
+// the test is a constraint rather than an error). "N/A" for no compile context, as PyTorch's
+// record_trace writes it.
+template <typename Entry>
+void SetLabels(Entry& entry, const TraceLabels* labels) {
+  if constexpr (requires { entry.compile_context_ = std::string(); }) {
+    entry.compile_context_ =
+        labels != nullptr && !labels->compile_context.empty() ? labels->compile_context : "N/A";
+  }
+  if constexpr (requires { entry.user_metadata_ = std::string(); }) {
+    if (labels != nullptr) entry.user_metadata_ = labels->user_metadata;
+  }
+}
+
+// The snapshot's external_annotations, in torch's AnnotationEntry (its time in microseconds in
+// t_, as snapshot() hands trace times out). A template for the same reason as SetLabels.
+template <typename Info>
+void AddAnnotations(Info& out, const std::vector<AnnotationEntry>& annotations) {
+  if constexpr (requires { out.external_annotations; }) {
+    using C10Annotation = typename decltype(out.external_annotations)::value_type;
+    for (const AnnotationEntry& a : annotations) {
+      C10Annotation entry(static_cast<c10::DeviceIndex>(a.device), 0);
+      for (const auto& [name, value] : a.metadata) entry.recordUserMetadata(name, value);
+      entry.time_.t_ = static_cast<time_t>(a.time_us);
+      out.external_annotations.push_back(std::move(entry));
+    }
+  }
+}
+
 template <typename C10Stat>
 void CopyStat(const Stat& from, C10Stat& to) {
   to.current = from.current;
@@ -252,6 +283,18 @@ class SpillwayCudaAllocator final : public Base {
                      const std::vector<std::string>& skip_actions) {
     RecordHistory(enabled, recorder, max_entries, when, clear_history, skip_actions);
   }
+  // What torch calls beside the history (its RecordFunction callbacks of
+  // torch/csrc/cuda/memory_snapshot.cpp, torch.cuda.memory._set_memory_metadata): forwarded to
+  // the core, which keeps the state and the snapshot shows. The spellings of torch 2.13 and 2.14
+  // (pushCompileContext takes a non-const reference there); supportsUserMetadata is 2.14's.
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) {
+    if (alloc_.history_enabled()) alloc_.RecordAnnotation(CurrentDevice(), md);
+  }
+  void pushCompileContext(std::string& md) { alloc_.PushCompileContext(md); }
+  void popCompileContext() { alloc_.PopCompileContext(); }
+  bool supportsUserMetadata() { return true; }
+  void setUserMetadata(const std::string& metadata) { alloc_.SetUserMetadata(metadata); }
+  std::string getUserMetadata() { return alloc_.user_metadata(); }
   cca::SnapshotInfo snapshot() { return Snapshot(); }
   cca::SnapshotInfo snapshot(MempoolId id) {
     CheckDefaultPool(id);
@@ -466,9 +509,11 @@ class SpillwayCudaAllocator final : public Base {
             AsC10Context(e.context)));
         // PyTorch's snapshot() hands out times already converted to microseconds in t_.
         trace.back().time_.t_ = static_cast<time_t>(e.time_us);
+        SetLabels(trace.back(), e.labels.get());
       }
       out.device_traces.push_back(std::move(trace));
     }
+    AddAnnotations(out, snap.external_annotations);
     const AllocatorConfig& config = alloc_.config();
     out.config_metadata.garbage_collection_threshold = config.garbage_collection_threshold;
     out.config_metadata.max_split_size = config.max_split_size;

@@ -1,13 +1,18 @@
 #include "hooks/snapshot.h"
 
+#include <ATen/record_function.h>
 #include <Python.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <frameobject.h>
 #include <pybind11/stl.h>
 
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "allocator/errors.h"
@@ -139,6 +144,118 @@ const char* ViewerNote(TraceCategory category) {
   }
   return nullptr;
 }
+
+// A trace entry's `compile_context` as PyTorch writes it: the top of the recording thread's
+// compile-context stack, "N/A" when it had none (DeviceCachingAllocator::record_trace).
+std::string CompileContextValue(const TraceEntry& e) {
+  if (e.labels == nullptr || e.labels->compile_context.empty()) return "N/A";
+  return e.labels->compile_context;
+}
+
+// A trace entry's `user_metadata`: the recording thread's user metadata, as PyTorch writes it
+// ("" when none), and Spillway's viewer note (ViewerNote) where the entry has one. Both are kept
+// when both exist, the user's first, then a newline and the note: the viewer prints this one
+// string only, and each half says what the other cannot (the user's what the program was doing,
+// the note why the block looks like it waits for a record_stream). The note always starts with
+// "spillway: " on the string's last line, so a reader can take the user's part back.
+std::string UserMetadataValue(const TraceEntry& e, const char* note) {
+  std::string user = e.labels != nullptr ? e.labels->user_metadata : std::string();
+  if (note == nullptr) return user;
+  if (user.empty()) return note;
+  return user + "\n" + note;
+}
+
+py::list AnnotationList(const std::vector<AnnotationEntry>& annotations) {
+  py::list out;
+  for (const AnnotationEntry& a : annotations) {
+    // As THCPModule_memorySnapshot: the pairs first (a repeated name keeps its last value, as
+    // torch's map does), then device and time_us, which win over a pair of those names.
+    py::dict d;
+    for (const auto& [name, value] : a.metadata) d[py::str(name)] = value;
+    d["device"] = a.device;
+    d["time_us"] = a.time_us;
+    out.append(d);
+  }
+  return out;
+}
+
+// What Spillway's record_history installs, as torch's _record_memory_history does for its own
+// allocator (torch/csrc/cuda/memory_snapshot.cpp, setRecordFunctionCallbacks), so that the
+// simulated device, whose torch has no CUDA and so no _record_memory_history, gets the same: a
+// callback on the user-scope RecordFunctions (torch.autograd.profiler.record_function) that
+// records a "START" and an "END" annotation of each, on the calling thread only unless
+// `global_record_annotations`; and with `compile_context`, one on the function-scope ones that
+// pushes and pops Dynamo's "Torch-Compiled Region: ..." ranges. The callbacks take no lock of
+// ours but the allocator's annotation mutex, and call no Python.
+class RecordFunctionCallbacks {
+ public:
+  static RecordFunctionCallbacks& Get() {
+    static RecordFunctionCallbacks callbacks;
+    return callbacks;
+  }
+
+  void Set(bool enabled, bool compile_context, bool global_annotations) {
+    std::lock_guard lock(mutex_);
+    if (!enabled) {
+      for (at::CallbackHandle* handle : {&annotations_, &compile_contexts_}) {
+        if (*handle != 0) at::removeCallback(*handle);
+        *handle = 0;
+      }
+      return;
+    }
+    // As torch's: enabling again adds what is missing and keeps what is there.
+    if (annotations_ == 0) {
+      at::RecordFunctionCallback callback(&AnnotateStart, &AnnotateEnd);
+      callback.scopes({at::RecordScope::USER_SCOPE});
+      annotations_ = global_annotations ? at::addGlobalCallback(callback)
+                                        : at::addThreadLocalCallback(callback);
+    }
+    if (compile_context && compile_contexts_ == 0) {
+      at::RecordFunctionCallback callback(&CompileRegionStart, &CompileRegionEnd);
+      callback.scopes({at::RecordScope::FUNCTION});
+      compile_contexts_ = at::addGlobalCallback(callback);
+    }
+  }
+
+ private:
+  static constexpr std::string_view kCompiledRegion = "Torch-Compiled Region";
+
+  // The device current on this thread, as torch's recordAnnotation takes it: CUDA's when
+  // Spillway serves CUDA, 0 (the one device) on the simulated device.
+  static int CurrentDevice() {
+    Runtime& runtime = Runtime::Get();
+    if (runtime.mode() == Mode::kSim || !c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA)) {
+      return 0;
+    }
+    return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice().index();
+  }
+  static void Annotate(const at::RecordFunction& fn, const char* stage) {
+    Runtime::Get().allocator().RecordAnnotation(
+        CurrentDevice(), {{"name", std::string(fn.name())}, {"stage", stage}});
+  }
+  static std::unique_ptr<at::ObserverContext> AnnotateStart(const at::RecordFunction& fn) {
+    Annotate(fn, "START");
+    return nullptr;
+  }
+  static void AnnotateEnd(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
+    Annotate(fn, "END");
+  }
+  static std::unique_ptr<at::ObserverContext> CompileRegionStart(const at::RecordFunction& fn) {
+    if (std::string name(fn.name()); name.starts_with(kCompiledRegion)) {
+      Runtime::Get().allocator().PushCompileContext(std::move(name));
+    }
+    return nullptr;
+  }
+  static void CompileRegionEnd(const at::RecordFunction& fn, at::ObserverContext* /*context*/) {
+    if (std::string_view(fn.name()).starts_with(kCompiledRegion)) {
+      Runtime::Get().allocator().PopCompileContext();
+    }
+  }
+
+  std::mutex mutex_;
+  at::CallbackHandle annotations_ = 0;
+  at::CallbackHandle compile_contexts_ = 0;
+};
 
 bool IsAllocationEvent(TraceAction action) {
   return action == TraceAction::kAlloc || action == TraceAction::kFreeRequested ||
@@ -293,7 +410,7 @@ py::dict HostTraceDict(const TraceEntry& e) {
 }  // namespace
 
 void RecordHistory(bool enabled, size_t max_entries, const std::string& stacks, bool free_context,
-                   bool pinned_host_memory) {
+                   bool pinned_host_memory, bool compile_context, bool global_record_annotations) {
   if (stacks != "python" && stacks != "none") {
     throw InvalidArgumentError("record_history: stacks must be \"python\" or \"none\", got \"" +
                                stacks + "\"");
@@ -305,7 +422,14 @@ void RecordHistory(bool enabled, size_t max_entries, const std::string& stacks, 
   allocator.RecordHistory(enabled, max_entries, std::move(gatherer), free_context);
   runtime.RecordHostHistory(enabled && pinned_host_memory,
                             max_entries == 0 ? allocator.config().history_entries : max_entries);
+  RecordFunctionCallbacks::Get().Set(enabled, compile_context, global_record_annotations);
 }
+
+void SetUserMetadata(const std::string& metadata) {
+  Runtime::Get().allocator().SetUserMetadata(metadata);
+}
+
+std::string GetUserMetadata() { return Runtime::Get().allocator().user_metadata(); }
 
 py::dict Snapshot() {
   Runtime& runtime = Runtime::Get();
@@ -376,18 +500,22 @@ py::dict Snapshot() {
       d["stream"] = snap.StreamValue(e.stream);
       d["time_us"] = e.time_us;
       d["frames"] = FramesOf(e.context);
+      d["compile_context"] = CompileContextValue(e);
+      const char* note = nullptr;
       // Every allocation's entries, "unknown" where nothing was learned: the viewer lists each
       // category it finds in its legend, and some releases of it fail on a snapshot with
       // categories among which "unknown" is missing (a misspelt push in MemoryViz.js).
       if (IsAllocationEvent(e.action)) {
         d["category"] = std::string(TraceCategoryName(categories[i]));
-        if (const char* note = ViewerNote(categories[i])) d["user_metadata"] = note;
+        note = ViewerNote(categories[i]);
       }
+      d["user_metadata"] = UserMetadataValue(e, note);
       t.append(d);
     }
     traces.append(t);
   }
   out["device_traces"] = traces;
+  out["external_annotations"] = AnnotationList(snap.external_annotations);
   py::dict settings;
   const AllocatorConfig& config = allocator.config();
   settings["max_split_size"] = config.max_split_size == std::numeric_limits<size_t>::max()

@@ -16,8 +16,17 @@ pybind11::dict Snapshot();
 // Python frames of the allocating code) or "none"; `free_context` (its context="all") gathers the
 // frames at frees too; `pinned_host_memory` (its record_pinned_host_memory, torch 2.14) records the
 // offload engine's pinned host pools as well, for the snapshot's host_segments and host_traces.
-// As in torch, any call without it stops the host recording.
+// As in torch, any call without it stops the host recording. While enabled, record_function
+// ranges are recorded as the snapshot's external_annotations (on the calling thread's, or with
+// `global_record_annotations` every thread's), and with `compile_context` the trace entries
+// recorded inside Dynamo's compiled regions carry the region's name, as torch's
+// _record_memory_history does for its allocator (its keywords).
 void RecordHistory(bool enabled, size_t max_entries, const std::string& stacks, bool free_context,
-                   bool pinned_host_memory);
+                   bool pinned_host_memory, bool compile_context, bool global_record_annotations);
+
+// torch.cuda.memory._set_memory_metadata / _get_memory_metadata for Spillway's allocator on any
+// device: the calling thread's user metadata, which the trace entries it records carry.
+void SetUserMetadata(const std::string& metadata);
+std::string GetUserMetadata();
 
 }  // namespace spillway::torch_layer

@@ -34,6 +34,11 @@
   c10::cuda::CUDACachingAllocator::TraceEntry(action, device, addr, size, stream, 0, context)
 #endif
 
+// Not macros, as where they came in is unverified between 2.6 (neither) and 2.13 (both): the
+// TraceEntry members compile_context_ and user_metadata_, and SnapshotInfo::external_annotations
+// (2.6 has it), are set where they exist, tested by requires-expressions in the adapter
+// (hooks/cuda_allocator.cc SetLabels, AddAnnotations); checked against 2.6, 2.13 and 2.14.
+
 // A storage's Python object holds a strong reference to it whenever another one exists, from
 // torch 2.10 (PR #167564, "Rework PyObject preservation (v2)"); hooks/torch_storage.h Holders.
 #define SPILLWAY_TORCH_STORAGE_PYOBJECT_HOLDS SPILLWAY_TORCH_AT_LEAST(2, 10)

@@ -447,7 +447,8 @@ def residency(tensor):
 
 
 def record_history(enabled=True, context="all", stacks="python", max_entries=None, *,
-                   record_pinned_host_memory=False):
+                   record_pinned_host_memory=False, compile_context=False,
+                   global_record_annotations=False):
     """Records allocator events, like torch.cuda.memory._record_memory_history, whose argument
     order it keeps. `enabled` is a bool, or as torch 2.x spells it "all" (record) or None (stop;
     as in torch, stopping also clears the history: take the snapshot first).
@@ -459,7 +460,15 @@ def record_history(enabled=True, context="all", stacks="python", max_entries=Non
     record_pinned_host_memory=True (torch 2.14's keyword) also records the offload engine's
     pinned host memory, which snapshot() then shows in host_segments and host_traces, as torch
     shows its pinned host allocator's (with no frames: the pool is used inside the engine). As in
-    torch, a call without it stops that recording."""
+    torch, a call without it stops that recording.
+    While recording, torch.autograd.profiler.record_function ranges show in snapshot()'s
+    external_annotations ({"name", "stage": "START" or "END", "device", "time_us"}), as torch's
+    _record_memory_history records them: those of the calling thread, or of every thread with
+    global_record_annotations=True. compile_context=True makes the trace entries recorded inside
+    a torch.compile'd region carry its name ("Torch-Compiled Region: 0/0") as compile_context;
+    set_memory_metadata() labels them too. (Under the c10 adapter, torch's own
+    _record_memory_history does the same for Spillway: use one or the other, not both, or each
+    range is annotated twice.)"""
     if isinstance(enabled, str) and enabled == "state":
         raise ValueError("enabled='state' (frames of live blocks without an event history) is not "
                          "supported: Spillway records the history with its frames; pass 'all' or "
@@ -490,11 +499,35 @@ def record_history(enabled=True, context="all", stacks="python", max_entries=Non
             f"value, got {max_entries!r}")
     record_pinned_host_memory = _check_bool("record_pinned_host_memory",
                                             record_pinned_host_memory)
+    compile_context = _check_bool("compile_context", compile_context)
+    global_record_annotations = _check_bool("global_record_annotations",
+                                            global_record_annotations)
     _require_installed("record_history")
     # 0 asks the allocator for its configured history_entries.
     frames = "none" if context is None else stacks or "none"
     _C.record_history(enabled, 0 if max_entries is None else int(max_entries), frames,
-                      context == "all", record_pinned_host_memory)
+                      context == "all", record_pinned_host_memory, compile_context,
+                      global_record_annotations)
+
+
+def set_memory_metadata(metadata):
+    """Labels the allocator events this thread records from now on, as
+    torch.cuda.memory._set_memory_metadata does (and, under the c10 adapter, that function does
+    the same for Spillway): snapshot()'s trace entries carry the string as user_metadata; "" stops.
+    Per thread; kept whether or not history is recorded. On an entry that also has Spillway's note
+    (a saved, spilled or reloaded allocation) user_metadata is this string, a newline, then the
+    note, which starts with "spillway: "."""
+    if not isinstance(metadata, str):
+        raise ValueError(f"metadata must be a str, got {metadata!r}")
+    _require_installed("set_memory_metadata")
+    _C.set_memory_metadata(metadata)
+
+
+def get_memory_metadata():
+    """The string set_memory_metadata() last set on this thread ("" if none), as
+    torch.cuda.memory._get_memory_metadata."""
+    _require_installed("get_memory_metadata")
+    return _C.get_memory_metadata()
 
 
 def snapshot():
