@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <exception>
+#include <memory>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_format.h"
@@ -129,15 +131,34 @@ void CachingAllocator::Free(void* ptr) {
     if (HasStreamErrors(*owner)) DispatchStreamErrors(*owner);
     return;
   }
-  std::string what;
+  throw InvalidArgumentError("free: " + DescribeNotLive(ptr));
+}
+
+std::string CachingAllocator::DescribeNotLive(const void* ptr) const {
   for (const auto& device : devices_) {
-    what = device->DescribeForeign(ptr);
-    if (!what.empty()) break;
+    std::string what = device->DescribeForeign(ptr);
+    if (!what.empty()) return what;
   }
-  if (what.empty()) {
-    what = absl::StrFormat("%p was not allocated by Spillway (no segment contains it)", ptr);
+  return absl::StrFormat("%p was not allocated by Spillway (no segment contains it)", ptr);
+}
+
+void CachingAllocator::AnnotateMemory(const void* ptr, std::string metadata) {
+  // As PyTorch's: no effect while history is off, and nothing to key an annotation to for a null
+  // pointer (an empty storage's, or a spilled one's: its bytes are on the host).
+  if (!recording_.load(std::memory_order_relaxed) || ptr == nullptr) return;
+  // The thread's compile context, with the annotation as the user metadata: the trace entry's
+  // user_metadata is the annotation, not what the thread set for its allocations.
+  const TraceLabelsRef& current = trace_labels::Current();
+  auto labels = std::make_shared<const TraceLabels>(TraceLabels{
+      current != nullptr ? current->compile_context : std::string(), std::move(metadata)});
+  const TraceContext context = GatherContext();
+  if (FindOwner([&](DeviceAllocator& device) { return device.Annotate(ptr, labels, context); })) {
+    return;
   }
-  throw InvalidArgumentError("free: " + what);
+  throw InvalidArgumentError(
+      "annotate: " + DescribeNotLive(ptr) +
+      "; an annotation names a live allocation by the address it starts at (a tensor's "
+      "untyped_storage().data_ptr())");
 }
 
 void CachingAllocator::RecordStream(void* ptr, StreamRef stream) {

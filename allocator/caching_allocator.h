@@ -138,6 +138,13 @@ class CachingAllocator {
   // none). Kept whether or not history is recorded, as PyTorch keeps it.
   void SetUserMetadata(std::string metadata);
   std::string user_metadata() const;
+  // An "annotate" trace entry for the live allocation that starts at `ptr` (torch 2.14's
+  // annotateMemory, behind torch.cuda.memory._annotate_tensor): the allocation's address, size
+  // and stream, the frames gathered here, the thread's compile context, and `metadata` as its
+  // user metadata. Only while history is recorded (nothing, not even a lookup, otherwise); a null
+  // `ptr` is ignored. Throws InvalidArgumentError naming what `ptr` is when it is not the start of
+  // a live allocation.
+  void AnnotateMemory(const void* ptr, std::string metadata);
 
   // Memory pressure: before a Malloc that would take `device`'s allocated bytes past its
   // watermark (by `incoming_bytes`, the request after the size policy's rounding), the handler runs
@@ -195,6 +202,8 @@ class CachingAllocator {
     return GatherContext();
   }
   TraceContext GatherContextSlow() const;
+  // What `ptr` is, for the error of a call that needed a live allocation there.
+  std::string DescribeNotLive(const void* ptr) const;
   std::vector<FreeMemoryCallback> Callbacks() const;
   // Calls `find(device)` on the device that answered the last pointer-only call, then on the
   // others, until one returns true; returns that device, or nullptr. PyTorch frees by pointer

@@ -514,6 +514,20 @@ bool DeviceAllocator::SetTraceCategory(const void* ptr, TraceCategory category) 
   return true;
 }
 
+bool DeviceAllocator::Annotate(const void* ptr, TraceLabelsRef labels, TraceContext context) {
+  std::lock_guard lock(mutex_);
+  const BlockId id = allocated_.Find(reinterpret_cast<uintptr_t>(ptr), AddressOf());
+  if (id == kNoBlock) return false;
+  if (!history_.enabled()) return true;
+  const Block& b = arena_[id];
+  const BlockExtras* extras = arena_.extras(id);
+  history_.Record(TraceEntry{TraceAction::kAnnotate,
+                             extras != nullptr ? extras->category : TraceCategory::kUnknown,
+                             device_, b.ptr, b.requested, streams_.id(b.stream), NowMicros(),
+                             std::move(context), std::move(labels)});
+  return true;
+}
+
 void DeviceAllocator::EmptyCache() {
   std::lock_guard lock(mutex_);
   ProcessEventsLocked();

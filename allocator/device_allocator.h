@@ -128,6 +128,10 @@ class DeviceAllocator {
   // free's trace entries and the snapshot's block carry it. (CachingAllocator asks only while
   // history is recorded.) Returns false when `ptr` is not a live allocation here.
   bool SetTraceCategory(const void* ptr, TraceCategory category);
+  // Records an "annotate" entry for the live allocation that starts at `ptr`, carrying `labels`
+  // and `context` (see CachingAllocator::AnnotateMemory), while history is recorded. Returns
+  // false when `ptr` is not a live allocation here.
+  bool Annotate(const void* ptr, TraceLabelsRef labels, TraceContext context);
   // The live allocation `ptr` points into (its start included): what a second storage over
   // Spillway's memory (from_numpy, DLPack) or a view's data pointer belongs to.
   std::optional<AllocationInfo> LookupContaining(const void* ptr) const;

@@ -25,6 +25,8 @@ std::string_view TraceActionName(TraceAction action) {
       return "oom";
     case TraceAction::kSnapshot:
       return "snapshot";
+    case TraceAction::kAnnotate:
+      return "annotate";
   }
   return "unknown";
 }
@@ -121,7 +123,7 @@ void HistoryRing::Clear() {
 
 void HistoryRing::Record(TraceEntry entry) {
   if (!enabled_) return;
-  entry.labels = trace_labels::Current();
+  if (entry.labels == nullptr) entry.labels = trace_labels::Current();
   // Grown as entries come, as PyTorch's ring is: its default asks for sys.maxsize entries.
   if (ring_.size() < max_entries_) {
     try {

@@ -24,9 +24,14 @@ enum class TraceAction : uint8_t {
   kSegmentFree,
   kOom,
   kSnapshot,
+  // Metadata attached after the fact to a live allocation (torch 2.14's
+  // torch.cuda.memory._annotate_tensor): addr and size are the allocation's, and the entry's
+  // labels carry the annotation as their user_metadata.
+  kAnnotate,
 };
 
-// PyTorch's spelling: "alloc", "free_requested", ..., "segment_free", "oom", "snapshot".
+// PyTorch's spelling: "alloc", "free_requested", ..., "segment_free", "oom", "snapshot",
+// "annotate".
 std::string_view TraceActionName(TraceAction action);
 
 // What an allocation held, as far as the layers above the allocator learned it (the torch
@@ -95,7 +100,8 @@ struct TraceEntry {
   uint64_t stream = 0;  // StreamRef::id
   int64_t time_us = 0;  // microseconds since the Unix epoch
   TraceContext context;
-  // The recording thread's labels (set by HistoryRing::Record); null: none.
+  // The recording thread's labels (set by HistoryRing::Record unless the entry came with its own,
+  // as an annotation does); null: none.
   TraceLabelsRef labels = nullptr;
 };
 
@@ -111,7 +117,8 @@ class HistoryRing {
   bool enabled() const { return enabled_; }
   void Clear();
 
-  // Records `entry` with the calling thread's labels (trace_labels::Current), while enabled.
+  // Records `entry` while enabled, with the calling thread's labels (trace_labels::Current)
+  // unless it carries labels of its own.
   void Record(TraceEntry entry);
   // Oldest first.
   std::vector<TraceEntry> Entries() const;

@@ -23,25 +23,14 @@
 #include <utility>
 #include <vector>
 
+#include "hooks/c10_convert.h"
 #include "hooks/torch_compat.h"
-#include "hooks/trace_context.h"
 #include "offload/engine.h"
 
 namespace spillway::torch_layer {
 namespace {
 
-namespace cca = c10::cuda::CUDACachingAllocator;
 using Base = cca::CUDAAllocator;
-
-// The pool id type moved between namespaces across releases (c10::cuda, then c10); every
-// release's releasePool(device, id) takes it, so take it from there.
-template <typename T>
-struct SecondParameter;
-template <typename R, typename C, typename A, typename B>
-struct SecondParameter<R (C::*)(A, B)> {
-  using type = B;
-};
-using MempoolId = SecondParameter<decltype(&Base::releasePool)>::type;
 
 [[noreturn]] void Unsupported(const char* feature) {
   TORCH_CHECK(false, "Spillway's CUDA allocator does not support ", feature,
@@ -58,86 +47,6 @@ void CheckDefaultPool(const MempoolId& id) {
 }
 
 c10::DeviceIndex CurrentDevice() { return c10::cuda::current_device(); }
-
-// Wraps torch's own context (a c10::GatheredContext, e.g. a CapturedTraceback) so the core
-// can store it; AsC10Context takes it back out.
-TraceContext WrapC10Context(std::shared_ptr<c10::GatheredContext> context) {
-  if (context == nullptr) return nullptr;
-  auto wrapped = std::make_shared<TorchTraceContext>();
-  wrapped->torch_context = std::move(context);
-  return wrapped;
-}
-
-std::shared_ptr<c10::GatheredContext> AsC10Context(const TraceContext& context) {
-  const TorchTraceContext* t = AsTorchContext(context);
-  if (t == nullptr || t->torch_context == nullptr) return nullptr;
-  // Only WrapC10Context stores a torch_context, and it stores a GatheredContext.
-  return std::static_pointer_cast<c10::GatheredContext>(t->torch_context);
-}
-
-cca::TraceEntry::Action ToC10(TraceAction action) {
-  switch (action) {
-    case TraceAction::kAlloc:
-      return cca::TraceEntry::ALLOC;
-    case TraceAction::kFreeRequested:
-      return cca::TraceEntry::FREE_REQUESTED;
-    case TraceAction::kFreeCompleted:
-      return cca::TraceEntry::FREE_COMPLETED;
-    case TraceAction::kSegmentAlloc:
-      return cca::TraceEntry::SEGMENT_ALLOC;
-    case TraceAction::kSegmentFree:
-      return cca::TraceEntry::SEGMENT_FREE;
-    case TraceAction::kOom:
-      return cca::TraceEntry::OOM;
-    case TraceAction::kSnapshot:
-      return cca::TraceEntry::SNAPSHOT;
-  }
-  return cca::TraceEntry::ALLOC;
-}
-
-// What a c10 trace entry carries of the recording thread's labels: compile_context_ and
-// user_metadata_, which torch's TraceEntry has only from the release that added each (neither in
-// torch 2.6; both in 2.13 and 2.14), so each is set where the member exists (a template, so that
-// the test is a constraint rather than an error). "N/A" for no compile context, as PyTorch's
-// record_trace writes it.
-template <typename Entry>
-void SetLabels(Entry& entry, const TraceLabels* labels) {
-  if constexpr (requires { entry.compile_context_ = std::string(); }) {
-    entry.compile_context_ =
-        labels != nullptr && !labels->compile_context.empty() ? labels->compile_context : "N/A";
-  }
-  if constexpr (requires { entry.user_metadata_ = std::string(); }) {
-    if (labels != nullptr) entry.user_metadata_ = labels->user_metadata;
-  }
-}
-
-// The snapshot's external_annotations, in torch's AnnotationEntry (its time in microseconds in
-// t_, as snapshot() hands trace times out). A template for the same reason as SetLabels.
-template <typename Info>
-void AddAnnotations(Info& out, const std::vector<AnnotationEntry>& annotations) {
-  if constexpr (requires { out.external_annotations; }) {
-    using C10Annotation = typename decltype(out.external_annotations)::value_type;
-    for (const AnnotationEntry& a : annotations) {
-      C10Annotation entry(static_cast<c10::DeviceIndex>(a.device), 0);
-      for (const auto& [name, value] : a.metadata) entry.recordUserMetadata(name, value);
-      entry.time_.t_ = static_cast<time_t>(a.time_us);
-      out.external_annotations.push_back(std::move(entry));
-    }
-  }
-}
-
-template <typename C10Stat>
-void CopyStat(const Stat& from, C10Stat& to) {
-  to.current = from.current;
-  to.peak = from.peak;
-  to.allocated = from.allocated;
-  to.freed = from.freed;
-}
-
-template <typename C10StatArray>
-void CopyStatArray(const StatArray& from, C10StatArray& to) {
-  for (size_t i = 0; i < from.by_pool.size(); ++i) CopyStat(from.by_pool[i], to[i]);
-}
 
 class SpillwayCudaAllocator final : public Base {
  public:
@@ -236,27 +145,7 @@ class SpillwayCudaAllocator final : public Base {
 
   // --- statistics ---
   cca::DeviceStats getDeviceStats(c10::DeviceIndex device) {
-    const DeviceStats s = Guard([&] { return alloc_.stats(device); });
-    cca::DeviceStats out;
-    CopyStatArray(s.allocation, out.allocation);
-    CopyStatArray(s.segment, out.segment);
-    CopyStatArray(s.active, out.active);
-    CopyStatArray(s.inactive_split, out.inactive_split);
-    CopyStatArray(s.allocated_bytes, out.allocated_bytes);
-    CopyStatArray(s.reserved_bytes, out.reserved_bytes);
-    CopyStatArray(s.active_bytes, out.active_bytes);
-    CopyStatArray(s.inactive_split_bytes, out.inactive_split_bytes);
-    CopyStatArray(s.requested_bytes, out.requested_bytes);
-    CopyStat(s.oversize_allocations, out.oversize_allocations);
-    CopyStat(s.oversize_segments, out.oversize_segments);
-    out.num_alloc_retries = s.num_alloc_retries;
-    out.num_ooms = s.num_ooms;
-    out.num_sync_all_streams = s.num_sync_all_streams;
-    out.num_device_alloc = s.num_device_alloc;
-    out.num_device_free = s.num_device_free;
-    // SIZE_MAX (no limit) reads as -1, as with PyTorch's allocator.
-    out.max_split_size = static_cast<int64_t>(alloc_.config().max_split_size);
-    return out;
+    return ToC10Stats(Guard([&] { return alloc_.stats(device); }), alloc_.config().max_split_size);
   }
   void resetAccumulatedStats(c10::DeviceIndex device) {
     Guard([&] { alloc_.ResetAccumulatedStats(device); });
@@ -286,7 +175,8 @@ class SpillwayCudaAllocator final : public Base {
   // What torch calls beside the history (its RecordFunction callbacks of
   // torch/csrc/cuda/memory_snapshot.cpp, torch.cuda.memory._set_memory_metadata): forwarded to
   // the core, which keeps the state and the snapshot shows. The spellings of torch 2.13 and 2.14
-  // (pushCompileContext takes a non-const reference there); supportsUserMetadata is 2.14's.
+  // (pushCompileContext takes a non-const reference there); supportsUserMetadata and
+  // annotateMemory are 2.14's.
   void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& md) {
     if (alloc_.history_enabled()) alloc_.RecordAnnotation(CurrentDevice(), md);
   }
@@ -295,6 +185,11 @@ class SpillwayCudaAllocator final : public Base {
   bool supportsUserMetadata() { return true; }
   void setUserMetadata(const std::string& metadata) { alloc_.SetUserMetadata(metadata); }
   std::string getUserMetadata() { return alloc_.user_metadata(); }
+  // torch 2.14's torch.cuda.memory._annotate_tensor: an "annotate" trace entry for the live
+  // allocation at `ptr` (its storage's start), while history is recorded.
+  void annotateMemory(const void* ptr, const std::string& metadata) {
+    Guard([&] { alloc_.AnnotateMemory(ptr, metadata); });
+  }
   cca::SnapshotInfo snapshot() { return Snapshot(); }
   cca::SnapshotInfo snapshot(MempoolId id) {
     CheckDefaultPool(id);
@@ -476,50 +371,7 @@ class SpillwayCudaAllocator final : public Base {
       std::lock_guard lock(mutex_);
       skip = skip_actions_;
     }
-    cca::SnapshotInfo out;
-    for (const SegmentSnapshot& s : snap.segments) {
-      cca::SegmentInfo seg;
-      seg.device = static_cast<c10::DeviceIndex>(s.device);
-      seg.address = s.address;
-      seg.total_size = s.total_size;
-      seg.requested_size = s.requested_size;
-      seg.allocated_size = s.allocated_size;
-      seg.active_size = s.active_size;
-      seg.stream = reinterpret_cast<decltype(seg.stream)>(snap.StreamValue(s.stream));
-      seg.is_large = s.pool == PoolKind::kLarge;
-      for (const BlockSnapshot& b : s.blocks) {
-        cca::BlockInfo block;
-        block.size = b.size;
-        block.requested_size = b.requested_size;
-        block.allocated = b.state == BlockState::kActiveAllocated;
-        block.active = b.state != BlockState::kInactive;
-        block.context_when_allocated = AsC10Context(b.context);
-        seg.blocks.push_back(std::move(block));
-      }
-      out.segments.push_back(std::move(seg));
-    }
-    const MempoolId default_pool{0, 0};
-    for (size_t device = 0; device < snap.device_traces.size(); ++device) {
-      std::vector<cca::TraceEntry> trace;
-      for (const TraceEntry& e : snap.device_traces[device]) {
-        if (skip.contains(std::string(TraceActionName(e.action)))) continue;
-        trace.push_back(SPILLWAY_MAKE_TRACE_ENTRY(
-            ToC10(e.action), static_cast<c10::DeviceIndex>(device), e.addr, e.size,
-            reinterpret_cast<cudaStream_t>(snap.StreamValue(e.stream)), default_pool,
-            AsC10Context(e.context)));
-        // PyTorch's snapshot() hands out times already converted to microseconds in t_.
-        trace.back().time_.t_ = static_cast<time_t>(e.time_us);
-        SetLabels(trace.back(), e.labels.get());
-      }
-      out.device_traces.push_back(std::move(trace));
-    }
-    AddAnnotations(out, snap.external_annotations);
-    const AllocatorConfig& config = alloc_.config();
-    out.config_metadata.garbage_collection_threshold = config.garbage_collection_threshold;
-    out.config_metadata.max_split_size = config.max_split_size;
-    out.config_metadata.expandable_segments = false;
-    out.config_metadata.last_allocator_settings = "backend:spillway";
-    return out;
+    return ToC10Snapshot(snap, alloc_.config(), skip);
   }
 
   CachingAllocator& alloc_;

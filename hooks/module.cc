@@ -221,4 +221,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("record_history", &tl::RecordHistory);
   m.def("set_memory_metadata", &tl::SetUserMetadata);
   m.def("get_memory_metadata", &tl::GetUserMetadata);
+  m.def("annotate_tensor", &tl::AnnotateTensor);
 }

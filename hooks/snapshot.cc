@@ -431,6 +431,19 @@ void SetUserMetadata(const std::string& metadata) {
 
 std::string GetUserMetadata() { return Runtime::Get().allocator().user_metadata(); }
 
+void AnnotateTensor(const at::Tensor& tensor, const std::string& metadata) {
+  Runtime& runtime = Runtime::Get();
+  if (!runtime.Serves(tensor.device())) {
+    throw InvalidArgumentError(
+        "annotate_tensor: a tensor on " + tensor.device().str() +
+        " is not on the device Spillway serves (" +
+        (runtime.mode() == Mode::kSim ? "cpu, the simulated device" : "cuda") + ")");
+  }
+  // Not tensor.data_ptr(): a view's points past its storage's start, and the annotation is the
+  // allocation's.
+  runtime.allocator().AnnotateMemory(tensor.storage().data_ptr().get(), metadata);
+}
+
 py::dict Snapshot() {
   Runtime& runtime = Runtime::Get();
   CachingAllocator& allocator = runtime.allocator();
@@ -509,7 +522,11 @@ py::dict Snapshot() {
         d["category"] = std::string(TraceCategoryName(categories[i]));
         note = ViewerNote(categories[i]);
       }
+      // An annotate entry's user metadata is the annotation itself (AnnotateMemory's labels).
       d["user_metadata"] = UserMetadataValue(e, note);
+      // The default pool's (0, 0), as torch writes it for an entry outside a private pool:
+      // Spillway has no private pools (MemPool and CUDA graph capture are refused).
+      d["pool_id"] = py::make_tuple(0, 0);
       t.append(d);
     }
     traces.append(t);

@@ -3,6 +3,7 @@
 // storage entry, residency and keepers; per entry its spill and reload history.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <pybind11/pybind11.h>
 
 #include <cstddef>
@@ -28,5 +29,12 @@ void RecordHistory(bool enabled, size_t max_entries, const std::string& stacks, 
 // device: the calling thread's user metadata, which the trace entries it records carry.
 void SetUserMetadata(const std::string& metadata);
 std::string GetUserMetadata();
+
+// torch.cuda.memory._annotate_tensor (torch 2.14) for Spillway's allocator on any device: an
+// "annotate" trace entry for the allocation behind `tensor`'s storage (keyed by the address the
+// storage starts at, so a view annotates its base), with `metadata` as its user_metadata, while
+// history is recorded. A tensor on another device than Spillway's, or whose storage Spillway did
+// not allocate, is an InvalidArgumentError; an empty or spilled storage has nothing to annotate.
+void AnnotateTensor(const at::Tensor& tensor, const std::string& metadata);
 
 }  // namespace spillway::torch_layer

@@ -11,6 +11,7 @@ See README.md for configuration, snapshots and limitations.
 """
 
 from ._api import (
+    annotate_tensor,
     budget_bytes,
     dump_snapshot,
     empty_cache,
@@ -49,6 +50,7 @@ else:
         pass
 
 __all__ = [
+    "annotate_tensor",
     "budget_bytes",
     "dump_snapshot",
     "empty_cache",

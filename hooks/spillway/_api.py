@@ -530,6 +530,22 @@ def get_memory_metadata():
     return _C.get_memory_metadata()
 
 
+def annotate_tensor(tensor, metadata):
+    """Attaches `metadata` to the allocation behind `tensor`, after the fact, as torch 2.14's
+    torch.cuda.memory._annotate_tensor does (and, under the c10 adapter with torch 2.14 or newer,
+    that function does the same for Spillway): while record_history() records, snapshot()'s
+    device_traces get an "annotate" entry with the allocation's address and size, the frames of
+    this call, and `metadata` as its user_metadata; nothing otherwise. The allocation is the one
+    the tensor's storage starts at, so a view annotates its base. Works on the simulated device
+    too. A tensor whose storage Spillway did not allocate raises ValueError; one with no memory
+    (empty, or spilled to host) has nothing to annotate."""
+    _check_tensor("annotate_tensor", tensor)
+    if not isinstance(metadata, str):
+        raise ValueError(f"metadata must be a str, got {metadata!r}")
+    _require_installed("annotate_tensor")
+    _C.annotate_tensor(tensor, metadata)
+
+
 def snapshot():
     """PyTorch's snapshot format (segments, device_traces, allocator_settings, and torch 2.14's
     host_segments and host_traces: see record_history) plus a "spillway" section: per block its

@@ -1,6 +1,7 @@
 // What PyTorch's allocator records beside the trace, and the c10 adapter forwards to the core:
 // annotations (record_function ranges), the thread's compile context and user metadata, which
-// trace entries carry.
+// trace entries carry, and annotations of live allocations (torch 2.14's annotateMemory).
+#include <memory>
 #include <string>
 #include <thread>
 #include <utility>
@@ -168,6 +169,73 @@ TEST_F(TraceLabelsTest, RecordedLabelsDoNotChangeAfterwards) {
   allocator_->Free(Alloc(4096));
   allocator_->SetUserMetadata("now");
   for (const TraceEntry& e : Trace()) EXPECT_EQ(UserMetadataOf(e), "then");
+}
+
+// torch 2.14's annotateMemory: an "annotate" entry for the live allocation, keyed by its address,
+// with the annotation as its user metadata (not the thread's), the thread's compile context and
+// the frames gathered at the call; the thread's own labels are untouched for what follows.
+TEST_F(TraceLabelsTest, AnnotateRecordsAnEntryForTheLiveAllocationWithTheAnnotation) {
+  int gathered = 0;
+  allocator_->RecordHistory(true, 64,
+                            [&]() -> TraceContext { return std::make_shared<int>(++gathered); });
+  allocator_->SetUserMetadata("thread's");
+  void* p = Alloc(3000);
+  allocator_->PushCompileContext("region");
+  allocator_->AnnotateMemory(p, "packed for backward");
+  allocator_->PopCompileContext();
+  allocator_->Free(p);
+
+  const std::vector<TraceEntry> trace = Trace();
+  ASSERT_EQ(trace.size(), 5u);  // segment_alloc, alloc, annotate, free_requested, free_completed
+  const TraceEntry& alloc = trace[1];
+  const TraceEntry& annotate = trace[2];
+  EXPECT_EQ(TraceActionName(annotate.action), "annotate");
+  EXPECT_EQ(annotate.addr, reinterpret_cast<uintptr_t>(p));
+  EXPECT_EQ(annotate.size, 3000u);
+  EXPECT_EQ(annotate.stream, alloc.stream);
+  EXPECT_EQ(UserMetadataOf(annotate), "packed for backward");
+  EXPECT_EQ(CompileContextOf(annotate), "region");
+  ASSERT_NE(annotate.context, nullptr);
+  EXPECT_EQ(*std::static_pointer_cast<const int>(annotate.context), 2);  // its own frames
+  EXPECT_GE(annotate.time_us, alloc.time_us);
+  EXPECT_EQ(UserMetadataOf(alloc), "thread's");
+  EXPECT_EQ(UserMetadataOf(trace[3]), "thread's");
+  EXPECT_EQ(CompileContextOf(trace[3]), "");
+  EXPECT_EQ(allocator_->user_metadata(), "thread's");
+}
+
+// As in torch: no effect while no history is recorded (not even a check of the pointer), and
+// nothing to key an annotation to for a null pointer (an empty or spilled storage's).
+TEST_F(TraceLabelsTest, AnnotateDoesNothingWithoutHistoryOrForNull) {
+  void* p = Alloc(4096);
+  int on_stack = 0;
+  EXPECT_NO_THROW(allocator_->AnnotateMemory(p, "before recording"));
+  EXPECT_NO_THROW(allocator_->AnnotateMemory(&on_stack, "not ours, not looked at"));
+  allocator_->RecordHistory(true, 64);
+  EXPECT_NO_THROW(allocator_->AnnotateMemory(nullptr, "null"));
+  EXPECT_TRUE(Trace().empty());
+  allocator_->Free(p);
+}
+
+TEST_F(TraceLabelsTest, AnnotateRejectsWhatIsNotTheStartOfALiveAllocation) {
+  allocator_->RecordHistory(true, 64);
+  auto* p = static_cast<char*>(Alloc(4096));
+  auto* freed = static_cast<char*>(Alloc(4096));
+  allocator_->Free(freed);
+  int on_stack = 0;
+  for (const void* bad : {static_cast<const void*>(p + 512), static_cast<const void*>(freed),
+                          static_cast<const void*>(&on_stack)}) {
+    try {
+      allocator_->AnnotateMemory(bad, "x");
+      ADD_FAILURE() << "no error for " << bad;
+    } catch (const InvalidArgumentError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("annotate: "), std::string::npos) << what;
+      EXPECT_NE(what.find("untyped_storage().data_ptr()"), std::string::npos) << what;
+    }
+  }
+  for (const TraceEntry& e : Trace()) EXPECT_NE(e.action, TraceAction::kAnnotate);
+  allocator_->Free(p);
 }
 
 }  // namespace

@@ -111,6 +111,7 @@ def test_every_trace_entry_has_a_compile_context_and_user_metadata(recorded):
     for e in trace:
         assert e["compile_context"] == "N/A", e  # no compiled region: torch's "N/A"
         assert e["user_metadata"] == "", e
+        assert e["pool_id"] == (0, 0), e  # torch 2.14's key: the default pool
 
 
 def test_user_metadata_labels_what_the_thread_records_from_when_it_is_set(recorded):
@@ -195,6 +196,7 @@ def test_pytorchs_memory_viz_reads_a_snapshot_with_annotations(recorded):
     spillway.set_memory_metadata("viz")
     with torch.autograd.profiler.record_function("step"):
         model, loss = training_step()
+    spillway.annotate_tensor(model[0].weight, "a parameter")
     snap = pickle.loads(pickle.dumps(spillway.snapshot(), protocol=4))
     loss.backward()
     assert snap["external_annotations"]
@@ -207,3 +209,63 @@ def test_the_torch_keywords_take_booleans(keyword):
     with pytest.raises(ValueError, match=f"{keyword} must be True"):
         spillway.record_history(True, **{keyword: "yes"})
     assert spillway.snapshot()["device_traces"][0] == []  # refused before recording started
+
+
+def annotate_entries():
+    return [e for e in spillway.snapshot()["device_traces"][0] if e["action"] == "annotate"]
+
+
+def test_annotate_tensor_records_an_entry_for_the_storages_allocation(recorded):
+    """torch 2.14's torch.cuda.memory._annotate_tensor, which under the c10 adapter reaches the
+    same core call (annotateMemory): an "annotate" entry keyed to the base address of the
+    tensor's untyped storage (so a view annotates its base), the allocation's size, the frames of
+    the call, and the annotation as its user_metadata (not the thread's own)."""
+    spillway.set_memory_metadata("thread's")
+    x = torch.empty(1 << 16)
+    view = x[1000:].view(-1, 8)
+    spillway.annotate_tensor(view, "packed for backward")
+    entries = annotate_entries()
+    assert len(entries) == 1
+    e = entries[0]
+    assert e["addr"] == x.untyped_storage().data_ptr() != view.data_ptr()
+    assert e["size"] == x.untyped_storage().nbytes()
+    assert e["user_metadata"] == "packed for backward"
+    assert e["compile_context"] == "N/A" and e["pool_id"] == (0, 0)
+    assert "category" not in e  # no allocation event: the viewer colours by its alloc's
+    assert any(f["name"] == "test_annotate_tensor_records_an_entry_for_the_storages_allocation"
+               for f in e["frames"]), e["frames"]
+    trace = spillway.snapshot()["device_traces"][0]
+    alloc = next(i for i, t in enumerate(trace)
+                 if t["action"] == "alloc" and t["addr"] == e["addr"])
+    assert trace[alloc]["user_metadata"] == "thread's"
+    assert trace.index(e) > alloc
+    spillway.annotate_tensor(x, "again")  # annotations accumulate
+    assert [a["user_metadata"] for a in annotate_entries()] == ["packed for backward", "again"]
+
+
+def test_annotate_tensor_does_nothing_without_history_or_memory():
+    x = torch.empty(1 << 16)
+    spillway.annotate_tensor(x, "not recorded")
+    spillway.record_history(True)
+    try:
+        assert annotate_entries() == []
+        spillway.annotate_tensor(torch.empty(0), "no memory")  # nothing to key it to
+        assert annotate_entries() == []
+        spillway.annotate_tensor(x, "recorded")
+        assert [a["user_metadata"] for a in annotate_entries()] == ["recorded"]
+    finally:
+        spillway.record_history(False)
+
+
+def test_annotate_tensor_checks_its_arguments(recorded):
+    with pytest.raises(ValueError, match="expects a torch.Tensor"):
+        spillway.annotate_tensor("x", "m")
+    with pytest.raises(ValueError, match="metadata must be a str"):
+        spillway.annotate_tensor(torch.empty(4), 3)
+    # Memory no allocator of Spillway's made: named, and nothing recorded.
+    foreign = torch.frombuffer(bytearray(4096), dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"annotate: .*not allocated by Spillway.*data_ptr"):
+        spillway.annotate_tensor(foreign, "m")
+    with pytest.raises(ValueError, match="not on the device Spillway serves"):
+        spillway.annotate_tensor(torch.empty(4, device="meta"), "m")
+    assert annotate_entries() == []
