@@ -1,12 +1,13 @@
-"""Spillway under torch.distributed: DDP across two ranks on this machine (gloo, loopback only),
-FSDP's free/refill of gathered parameters, wrapper subclasses (DTensor) saved for backward, and
-1-GPU NCCL smoke tests (DDP and FSDP) for machines that have one.
+"""Spillway under torch.distributed, in processes of their own: DDP, FSDP and FSDP2 across two
+ranks on this machine (gloo, loopback only), and 1-GPU NCCL smoke tests (DDP and FSDP) for
+machines that have one. FSDP's free/refill of gathered parameters, done by hand in this process,
+is in test_distributed_free_refill.py; wrapper subclasses (DTensor) saved for backward are in
+test_distributed_wrappers.py.
 
 Ranks run as subprocesses of the test (Spillway allows one install per process, and each rank is
 its own process with its own allocator); they rendezvous through a file:// store in the test's
 temporary directory and talk over the loopback interface only (GLOO_SOCKET_IFNAME=lo)."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -15,11 +16,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.utils._pytree import tree_map
 
 import spillway
-from conftest import assert_bitwise_equal, run_script, stat
+from conftest import assert_bitwise_equal, run_script
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(spillway.__file__)))
@@ -272,269 +271,6 @@ def test_fsdp2_training_with_offload_matches_plain_and_never_spills_parameters(t
     # Sharded: each rank holds its own half of every parameter.
     halves = zip(ranks[0]["offload"]["params"], ranks[1]["offload"]["params"])
     assert not all(torch.equal(a, b) for a, b in halves)
-
-
-# --------------------------------------------------------------------------------------------
-# FSDP's free/refill of the gathered flat parameter, done by hand on Spillway memory.
-
-SHAPES = [(256, 256), (256,), (256, 256)]
-SIZES = [torch.Size(s).numel() for s in SHAPES]
-NUMEL = sum(SIZES)
-
-
-def resize_storage(t, numel):
-    """FSDP's _free_storage / _alloc_storage."""
-    if hasattr(t, "untyped_storage"):
-        t.untyped_storage().resize_(numel * t.element_size())
-    else:
-        t.storage().resize_(numel)
-
-
-class FlatUnit:
-    """One FSDP unit (world size 1): a flat parameter that holds its shard between uses; forward
-    all-gathers into a padded buffer, points the flat parameter at it and uses views of it as
-    the layer's weights; after forward the buffer's storage is freed (resized to 0); a hook on the
-    output regathers it before backward reads the saved views."""
-
-    def __init__(self, seed, probe):
-        g = torch.Generator().manual_seed(seed)
-        self.shard = torch.randn(NUMEL, generator=g) * 0.05
-        self.flat = torch.nn.Parameter(self.shard.clone())
-        self.flat.data = self.shard
-        self.padded = torch.empty(NUMEL)
-        resize_storage(self.padded, 0)
-        self.probe = probe
-        self.junk = []
-
-    def unshard(self):
-        resize_storage(self.padded, NUMEL)
-        with torch.no_grad():
-            self.padded.copy_(self.shard)  # the all-gather
-        self.flat.data = self.padded
-
-    def reshard(self):
-        self.flat.data = self.shard
-        resize_storage(self.padded, 0)
-        # Whatever now takes the freed block is garbage: a saved view that still pointed there
-        # would make the gradients NaN.
-        self.junk.append(torch.full((NUMEL,), float("nan")))
-
-    def __call__(self, x, free_refill=True):
-        if free_refill:
-            self.unshard()
-        w1, b1, w2 = (t.view(s) for t, s in zip(self.flat.split(SIZES), SHAPES))
-        h = F.linear(x, w1, b1)  # saves x and a view of w1
-        self.probe(self, "linear1")
-        a = torch.tanh(h)        # saves a (an activation, spillable)
-        self.probe(self, "tanh")
-        out = F.linear(a, w2)    # saves a and a view of w2
-        self.probe(self, "linear2")
-        if free_refill:
-            self.reshard()
-            self.probe(self, "freed")
-
-            def pre_backward(grad):
-                self.unshard()
-                self.probe(self, "refilled")
-                return grad
-
-            out.register_hook(pre_backward)
-        return out
-
-
-def fsdp_like_step(policy, free_refill=True):
-    states = []
-
-    def probe(unit, where):
-        if policy is not None and free_refill:
-            kinds = [k["kind"] for k in spillway.keepers(unit.padded)]
-            states.append((where, spillway.residency(unit.padded), kinds))
-
-    units = [FlatUnit(11, probe), FlatUnit(12, probe)]
-    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(13), requires_grad=True)
-    spillway.synchronize()
-    spills, to_host = stat("spillway.num_spills"), stat("spillway.bytes_to_host")
-    if policy is None:
-        loss = units[1](units[0](x, free_refill), free_refill).square().sum()
-    else:
-        budget = 1 << 20 if policy == "auto" else None
-        with spillway.offload(policy, budget_bytes=budget, min_bytes=0, prefetch_bytes=1 << 16):
-            loss = units[1](units[0](x, free_refill), free_refill).square().sum()
-    spillway.synchronize()
-    spilled = (stat("spillway.num_spills") - spills, stat("spillway.bytes_to_host") - to_host)
-    loss.backward()
-    grads = [u.flat.grad.clone() for u in units] + [x.grad.clone()]
-    leftover = [[k for k in spillway.keepers(u.padded) if k["kind"] == "saved"] for u in units]
-    for u in units:  # FSDP's post-backward reshard
-        resize_storage(u.padded, 0)
-    return loss.item(), grads, states, spilled, leftover
-
-
-@pytest.mark.parametrize("policy", ["eager", "auto"])
-def test_fsdp_free_and_refill_of_gathered_parameters(policy):
-    ref_loss, reference, _, _, _ = fsdp_like_step(None, free_refill=False)
-    plain_loss, plain, _, _, _ = fsdp_like_step(None)
-    assert plain_loss == ref_loss
-    assert_bitwise_equal(plain, reference)
-
-    loss, grads, states, (spills, to_host), leftover = fsdp_like_step(policy)
-    assert loss == ref_loss
-    for g in grads:
-        assert not torch.isnan(g).any()
-    assert_bitwise_equal(grads, reference)
-    # Offload was active: activations went to host ...
-    assert spills > 0 and to_host > 0
-    # ... but never the gathered parameters: each holds 513 KiB, more than all spilled bytes.
-    assert to_host < NUMEL * 4, to_host
-    # Spillway saw the saved parameter views and kept their storage resident throughout, also
-    # while it was freed (0 bytes) between forward and backward, and after the refill.
-    assert [where for where, _, _ in states] == (["linear1", "tanh", "linear2", "freed"] * 2
-                                                 + ["refilled"] * 2)
-    for where, residency, kinds in states:
-        assert residency in ("resident", None), (where, residency)
-        assert "saved" in kinds, (where, kinds)
-    # Backward released every saved view.
-    assert leftover == [[], []]
-
-
-# --------------------------------------------------------------------------------------------
-# Wrapper subclasses (what DTensor is) saved for backward.
-
-class Wrapper(torch.Tensor):
-    """A wrapper subclass in DTensor's style: no storage of its own, every op unwraps to the
-    inner tensor and wraps the results."""
-
-    @staticmethod
-    def __new__(cls, inner, requires_grad=False):
-        r = torch.Tensor._make_wrapper_subclass(
-            cls, inner.shape, strides=inner.stride(), storage_offset=inner.storage_offset(),
-            dtype=inner.dtype, device=inner.device, requires_grad=requires_grad)
-        r.inner = inner
-        return r
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        def unwrap(t):
-            return t.inner if isinstance(t, Wrapper) else t
-
-        def wrap(t):
-            return cls(t) if isinstance(t, torch.Tensor) else t
-
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
-        return tree_map(wrap, out)
-
-
-def wrapper_step(offload):
-    torch.manual_seed(21)
-    inner = torch.randn(128, 128)
-    w = Wrapper(inner.clone(), requires_grad=True)
-    p = torch.randn(128, 128, requires_grad=True)
-    skipped, spills = stat("spillway.skipped.subclass"), stat("spillway.num_spills")
-    residency = []
-    if offload:
-        with spillway.offload("eager", min_bytes=0, prefetch_bytes=0):
-            y = w.exp()            # saves its output: a Wrapper
-            residency.append(spillway.residency(y.inner))
-            plain = p.exp()        # saves its output: a plain tensor, spillable
-            loss = (y * 2).sum() + plain.sum()
-            del y, plain
-    else:
-        loss = (w.exp() * 2).sum() + p.exp().sum()
-    spillway.synchronize()
-    counts = (stat("spillway.skipped.subclass") - skipped, stat("spillway.num_spills") - spills)
-    loss.backward()
-    assert isinstance(w.grad, Wrapper)
-    return [w.grad.inner.clone(), p.grad.clone()], inner, counts, residency
-
-
-def test_wrapper_subclass_saved_for_backward_is_kept_and_counted():
-    reference, inner, _, _ = wrapper_step(False)
-    grads, _, (skipped, spills), residency = wrapper_step(True)
-    assert skipped > 0
-    assert spills > 0  # the plain activation next to it was offloaded
-    assert residency == [None]  # the wrapper's inner storage was never registered or moved
-    assert_bitwise_equal(grads, reference)
-    assert torch.equal(grads[0], 2 * inner.exp())
-
-
-class FlatteningWrapper(Wrapper):
-    """The same wrapper with the traceable-subclass protocol DTensor and float8 tensors follow:
-    __tensor_flatten__ names the inner tensors that hold its data."""
-
-    def __tensor_flatten__(self):
-        return ["inner"], None
-
-
-def test_a_saved_wrapper_keeps_its_inner_storage_from_release():
-    """A wrapper kept as it is reads its inner tensors' memory at backward: release() of an
-    inner tensor freed it unseen, and backward read freed memory."""
-    w = FlatteningWrapper(torch.randn(256, 256), requires_grad=True)
-    with spillway.offload("eager", min_bytes=0, prefetch_bytes=0):
-        y = w.exp()  # saves its output, a FlatteningWrapper
-    inner = y.inner
-    assert spillway.residency(inner) == "resident"
-    assert any(k["kind"] == "saved" for k in spillway.keepers(inner))
-    with pytest.raises(ValueError, match="kept as they are"):
-        spillway.release(inner)
-    y.sum().backward()
-    assert torch.equal(w.grad.inner, y.inner)  # d exp(x)/dx = exp(x), read intact
-    del y
-    assert spillway.residency(inner) is None  # backward let the save go
-
-
-DTENSOR_MODULE = next((m for m in ("torch.distributed.tensor", "torch.distributed._tensor")
-                       if importlib.util.find_spec(m) is not None), None)
-
-DTENSOR_SCRIPT = """
-import datetime, sys
-sys.path.insert(0, {bench!r})
-import torch, torch.distributed as dist, spillway
-from {module} import DeviceMesh, Shard, distribute_tensor
-torch.use_deterministic_algorithms(True)
-spillway.install("sim", capacity_bytes=256 << 20)
-dist.init_process_group("gloo", init_method={init!r}, rank=0, world_size=1,
-                        timeout=datetime.timedelta(seconds=60))
-mesh = DeviceMesh("cpu", [0])
-torch.manual_seed(0)
-full = torch.randn(64, 64)
-
-def step(offload):
-    x = distribute_tensor(full.clone(), mesh, [Shard(0)]).requires_grad_()
-    if offload:
-        with spillway.offload("eager", min_bytes=0, prefetch_bytes=0):
-            loss = (x.exp() * 2).sum()
-    else:
-        loss = (x.exp() * 2).sum()
-    loss.backward()
-    return x.grad.to_local().clone(), type(x.grad).__name__
-
-reference, _ = step(False)
-before = spillway.memory_stats()["spillway.skipped.subclass"]
-grad, kind = step(True)
-skipped = spillway.memory_stats()["spillway.skipped.subclass"] - before
-dist.destroy_process_group()
-print("kind", kind)
-print("skipped", skipped)
-print("equal", torch.equal(grad, reference), torch.equal(grad, 2 * full.exp()))
-"""
-
-
-@pytest.mark.skipif(DTENSOR_MODULE is None,
-                    reason=f"torch {torch.__version__} has no DTensor "
-                           "(torch.distributed.tensor / torch.distributed._tensor)")
-def test_real_dtensor_saved_for_backward_is_kept_and_counted(tmp_path):
-    source = DTENSOR_SCRIPT.format(bench=BENCH, module=DTENSOR_MODULE,
-                                   init=f"file://{tmp_path / 'dtensor_store'}")
-    result = run_script(source, env={"GLOO_SOCKET_IFNAME": "lo",
-                                     "PYTHONPATH": os.pathsep.join([PACKAGE_ROOT, BENCH])},
-                        timeout=120)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = dict(line.split(" ", 1) for line in result.stdout.strip().splitlines())
-    assert lines["kind"] == "DTensor"
-    assert int(lines["skipped"]) > 0
-    assert lines["equal"] == "True True"
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@ made, holds a strong reference to the storage for as long as anything else does.
 is no holder while nothing in Python refers to the object; it is one while Python code holds it.
 torch >= 2.10 behaviour; on 2.4-2.9 the same tests pass because the object holds nothing then.
 FSDP2's resize_(0)-after-forward pattern, whose resizes make such objects of the gathered
-parameters, is test_distributed.py's test_fsdp_free_and_refill_of_gathered_parameters."""
+parameters, is test_distributed_free_refill.py's
+test_fsdp_free_and_refill_of_gathered_parameters."""
 
 import gc
 

@@ -1,0 +1,36 @@
+// What the pinned pool tests share (pinned_pool_blocks_test.cc, pinned_pool_stream_order_test.cc):
+// sizes, a pool's options, and an Allocate that fails the test instead of returning an error.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstddef>
+
+#include "absl/status/statusor.h"
+#include "offload/pinned_pool.h"
+
+namespace spillway::testing {
+
+inline constexpr size_t kKiB = size_t{1} << 10;
+inline constexpr size_t kMiB = size_t{1} << 20;
+
+inline PinnedPool::Options Grow(size_t grow_bytes, size_t limit_bytes = 0) {
+  PinnedPool::Options options;
+  options.grow_bytes = grow_bytes;
+  options.limit_bytes = limit_bytes;
+  return options;
+}
+
+// Allocates or records a failure; a null result then makes the test's next use of it fail too.
+inline void* Take(PinnedPool& pool, size_t bytes) {
+  absl::StatusOr<void*> ptr = pool.Allocate(bytes);
+  if (!ptr.ok()) {
+    ADD_FAILURE() << "Allocate(" << bytes << "): " << ptr.status();
+    return nullptr;
+  }
+  return *ptr;
+}
+
+inline void* Offset(void* ptr, size_t bytes) { return static_cast<char*>(ptr) + bytes; }
+
+}  // namespace spillway::testing
