@@ -11,26 +11,28 @@ See README.md for configuration, snapshots and limitations.
 """
 
 from ._api import (
-    annotate_tensor,
     budget_bytes,
-    dump_snapshot,
     empty_cache,
-    get_memory_metadata,
     install,
     installed,
     keepers,
     memory_stats,
     offload,
     pluggable_allocator,
-    record_history,
     release,
     reset_peak_stats,
     residency,
-    set_memory_metadata,
     set_per_process_memory_fraction,
-    snapshot,
     spill_after,
     synchronize,
+)
+from ._history import (
+    annotate_tensor,
+    dump_snapshot,
+    get_memory_metadata,
+    record_history,
+    set_memory_metadata,
+    snapshot,
 )
 
 import importlib as _importlib
