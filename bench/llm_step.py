@@ -415,6 +415,10 @@ def parent(args):
     # torch.cuda.is_available() (transformers calls it) then asks NVML instead of initialising
     # the CUDA driver, which a forked child could not use afterwards.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    # Models come from configurations, never the Hub: on the GPU machine, which has no network,
+    # nothing may wait on a connection (transformers' hub kernels, telemetry).
+    for var in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(var, "1")
     import torch
     import transformers
     from transformers import LlamaForCausalLM  # imported once here, for every child
