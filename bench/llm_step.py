@@ -10,9 +10,11 @@ one child process (forked from the parent, which imports torch and transformers 
 CUDA) that installs its allocator once and trains each sequence length in ascending order, the
 model re-initialised in place with the same seed before each length, so that losses compare
 bitwise across configurations. A child stops at its first out-of-memory length (the longer ones
-are skipped: that is the configuration's OOM frontier) or when its share of --budget-s is spent.
-The parent writes llm_step.json (every row), llm_step.md (the tables) and llm_step.png (memory
-saved against step-time overhead, and the frontier) to --out, and prints a summary last.
+are skipped: that is the configuration's OOM frontier) or when its share of --budget-s is spent;
+none runs past --budget-s (a length then in progress is killed, its row "no time"). The parent
+writes llm_step.json (every row) and llm_step.md (the tables) to --out after every job, at the end
+llm_step.png (memory saved against step-time overhead, and the frontier; matplotlib optional), and
+prints a summary last. On SIGTERM it stops the job in progress and writes what ran.
 
 Configurations: PyTorch's allocator without offload (the reference; on the simulated device
 Spillway's allocator is the device, without offload), full activation checkpointing,
@@ -63,17 +65,28 @@ def run_plan(spec, emit):
 
 
 def measure_link(spec):
-    """Pinned D2H and H2D bandwidth with torch, timed with CUDA events (PyTorch's allocator)."""
+    """The device's memory, then pinned D2H and H2D bandwidth with torch, timed with CUDA events
+    (PyTorch's allocator). A failed bandwidth measurement is reported (link["error"]), not
+    fatal: the matrix runs without the rows' bounds."""
     import torch
 
     free, total = torch.cuda.mem_get_info()
-    size = spec.get("link_bytes", GIB)
+    result = {"device_name": torch.cuda.get_device_name(), "device_total": total,
+              "device_free": free}
+    try:
+        result.update(measure_bandwidth(torch, spec.get("link_bytes", GIB)))
+    except Exception as error:  # noqa: BLE001 - the benchmark goes on without the bounds
+        traceback.print_exc()
+        result["error"] = f"{type(error).__name__}: {str(error).strip()[:200]}"
+    return result
+
+
+def measure_bandwidth(torch, size):
     host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(size, dtype=torch.uint8, device="cuda")
     host.fill_(1)
     dev.fill_(2)
-    result = {"device_name": torch.cuda.get_device_name(), "device_total": total,
-              "device_free": free, "link_bytes": size}
+    result = {"link_bytes": size}
     for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
         times = []
         for _ in range(6):
@@ -117,6 +130,8 @@ def run_forked(fn, spec, timeout_s, log_path, host_guard=0):
     if pid == 0:  # the child
         code = 1
         try:
+            # Not the parent's handler: a SIGTERM (the script's timeout) ends the child at once.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.close(r)
             fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(fd, 1)
@@ -137,30 +152,46 @@ def run_forked(fn, spec, timeout_s, log_path, host_guard=0):
     os.close(w)
     rows, buf, ended = [], b"", None
     deadline = time.time() + timeout_s
-    while True:
-        left = deadline - time.time()
-        if left <= 0:
-            os.kill(pid, signal.SIGKILL)
-            ended = f"killed after {timeout_s:.0f} s (time budget)"
-            break
-        ready, _, _ = select.select([r], [], [], min(left, 0.25))
-        available = mem_available() if host_guard else None
-        if available is not None and available < host_guard:
-            os.kill(pid, signal.SIGKILL)
-            ended = (f"killed: the host's available memory fell to {available / GIB:.1f} GiB "
-                     f"(guard {host_guard / GIB:.1f} GiB)")
-            break
-        if not ready:
-            continue
-        chunk = os.read(r, 65536)
-        if not chunk:
-            break
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            rows.append(json.loads(line))
-    os.close(r)
-    _, status = os.waitpid(pid, 0)
+    status = None
+    try:
+        while True:
+            left = deadline - time.time()
+            if left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                ended = f"killed after {timeout_s:.0f} s (time budget)"
+                break
+            if STOP:
+                os.kill(pid, signal.SIGKILL)
+                ended = STOP["why"]
+                break
+            ready, _, _ = select.select([r], [], [], min(left, 0.25))
+            available = mem_available() if host_guard else None
+            if available is not None and available < host_guard:
+                os.kill(pid, signal.SIGKILL)
+                ended = (f"killed: the host's available memory fell to {available / GIB:.1f} "
+                         f"GiB (guard {host_guard / GIB:.1f} GiB)")
+                break
+            if not ready:
+                continue
+            chunk = os.read(r, 65536)
+            if not chunk:
+                break
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                rows.append(json.loads(line))
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        if status is None:  # interrupted (an exception here): no child outlives the parent
+            for step in (lambda: os.close(r), lambda: os.kill(pid, signal.SIGKILL),
+                         lambda: os.waitpid(pid, 0)):
+                try:
+                    step()
+                except OSError:
+                    pass
+    if ended is None and STOP:  # gpu_bench.sh's timeout signals the child too
+        ended = STOP["why"]
     if ended is None:
         if os.WIFSIGNALED(status):
             ended = f"died of signal {os.WTERMSIG(status)}"
@@ -256,13 +287,40 @@ def resident_estimate(rows, model, models):
     return 3 * m["params"] * m["dtype_bytes"]
 
 
+def host_bytes_estimate(rows, model, models, config, seq, host_limit):
+    """The pinned host memory a host-offload peer would take at `seq`: Spillway eager's bytes to
+    the host (what a hook-based offload copies), measured at `seq` or proportional from its
+    longest length that stayed clear of its host_limit_mb; else the reference's activation
+    memory (which also counts the gradients and the loss's temporaries, so it is high).
+    save_on_cpu also copies every weight a layer saves (its hook sees the parameters, which
+    torchtune's and TRL's skip). (estimate, basis)."""
+    eager = {s: r for s, r in ok_rows(rows, model, "spillway_eager").items()
+             if r.get("to_host_per_step") and (r.get("host_peak") or 0) < 0.9 * host_limit}
+    if seq in eager:
+        act, basis = eager[seq]["to_host_per_step"], "Spillway eager's bytes to the host"
+    elif eager:
+        s = max(eager)
+        act = eager[s]["to_host_per_step"] * seq / s
+        basis = f"Spillway eager's bytes to the host at {s}, scaled"
+    else:
+        act, basis = activation_estimate(rows, model, seq)
+        basis = f"the reference's activation memory, {basis}"
+    if act is not None and config == "save_on_cpu":
+        m = models[model]
+        weights = m["params"] * m["dtype_bytes"]
+        act += weights
+        basis += f", and {weights / GIB:.1f} GiB of weights"
+    return act, basis
+
+
 def job_spec(args, models, model_name, config, rows, link, host_ram, deadline):
     m = models[model_name]
+    host_limit = int(args.host_fraction * host_ram) // MIB
     spec = dict(device=args.device, config=config, model_name=model_name, model=m,
                 seqs=m["seqs"], steps=args.steps, seed=args.seed, deadline=deadline,
                 deterministic=args.deterministic, skip={}, budgets={},
                 link_d2h_gbps=(link or {}).get("d2h_gbps"),
-                host_limit_mb=int(args.host_fraction * host_ram) // MIB)
+                device_free=(link or {}).get("device_free"), host_limit_mb=host_limit)
     if config in AUTO_FRACTION:
         base = resident_estimate(rows, model_name, models)
         for seq in m["seqs"]:
@@ -276,17 +334,69 @@ def job_spec(args, models, model_name, config, rows, link, host_ram, deadline):
     if config in HOST_OFFLOAD and args.device == "cuda":
         cap = args.host_fraction * host_ram
         for seq in m["seqs"]:
-            act, basis = activation_estimate(rows, model_name, seq)
+            act, basis = host_bytes_estimate(rows, model_name, models, config, seq,
+                                             host_limit * MIB)
             if act is None:
                 spec["skip"][str(seq)] = ("no estimate of its activation bytes (the reference "
                                           "and Spillway eager trained no length), so nothing "
                                           "bounds the pinned host memory it would take")
             elif act > cap:
                 spec["skip"][str(seq)] = (
-                    f"host-memory cap: about {act / GIB:.1f} GiB of activations ({basis}) would "
-                    f"be pinned, over {args.host_fraction:.2f} of the host's "
-                    f"{host_ram / GIB:.0f} GiB")
+                    f"host-memory cap: about {act / GIB:.1f} GiB ({basis}) would be pinned, "
+                    f"over {args.host_fraction:.2f} of the host's {host_ram / GIB:.0f} GiB")
     return spec
+
+
+# Set by the parent's SIGTERM handler (the script's timeout): the job in progress is killed, no
+# other starts, and what ran is written. A flag, not an exception raised from the handler: that
+# could land where Python ignores exceptions (an at-fork callback, a finaliser) and be lost.
+STOP = {}
+
+
+def job_window(now, deadline, share, grace):
+    """(the job's own deadline, when the parent kills it) for a job given `share` seconds at
+    `now`, within the matrix's `deadline`: a length in progress may run `grace` seconds past the
+    job's deadline, but no job runs past the matrix's, which the report must follow in time."""
+    kill_at = min(now + share + grace, deadline)
+    return min(now + share, kill_at - grace), kill_at
+
+
+def write_outputs(args, meta, rows, models, configs, link, t0, final):
+    """llm_step.json and llm_step.md from the rows so far (after every job, so that a run cut
+    short keeps them); at the end also the plot and the summary, printed last. Each part that
+    fails (the plot without matplotlib, say) is reported, and the others are written all the
+    same: the rows of a run that had one try come back whatever the report makes of them."""
+    def attempt(what, fn):
+        try:
+            return fn()
+        except Exception as error:  # noqa: BLE001 - the other parts still get written
+            traceback.print_exc()
+            return f"no {what} ({type(error).__name__}: {str(error).strip()[:120]})"
+
+    front = attempt("frontier", lambda: (annotate(rows, models, link),
+                                         frontier(rows, models, configs))[1])
+    if isinstance(front, str):
+        front = []
+    meta["elapsed_s"] = time.time() - t0
+    meta["configs"] = [{"name": c, "label": LABELS[c]} for c in configs]
+    with open(os.path.join(args.out, "llm_step.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows, "frontier": front}, f, indent=1, default=str)
+
+    def write_markdown():
+        text = markdown(meta, rows, models, front)
+        with open(os.path.join(args.out, "llm_step.md"), "w") as f:
+            f.write(text)
+        return "llm_step.md"
+    md = attempt("llm_step.md", write_markdown)
+    if not final:
+        return
+    png = attempt("llm_step.png", lambda: os.path.basename(
+        plot(meta, rows, models, front, os.path.join(args.out, "llm_step.png"))))
+    text = attempt("summary", lambda: summary(meta, rows, models, front))
+    print()
+    print(text if text.startswith("llm_step summary") else f"llm_step summary: {text}")
+    print(f"\nwritten: {args.out}/llm_step.json, {md}, {png}; logs in "
+          f"{os.path.join(args.out, 'logs')}/", flush=True)
 
 
 def parent(args):
@@ -295,11 +405,20 @@ def parent(args):
     os.makedirs(args.out, exist_ok=True)
     logs = os.path.join(args.out, "logs")
     os.makedirs(logs, exist_ok=True)
+
+    def stop(signum, frame):
+        STOP.setdefault("why", f"stopped by signal {signum} after {time.time() - t0:.0f} s")
+    # The script's timeout (gpu_bench.sh) sends SIGTERM: the rows so far are written all the same.
+    signal.signal(signal.SIGTERM, stop)
     if args.device == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # torch.cuda.is_available() (transformers calls it) then asks NVML instead of initialising
     # the CUDA driver, which a forked child could not use afterwards.
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    # Models come from configurations, never the Hub: on the GPU machine, which has no network,
+    # nothing may wait on a connection (transformers' hub kernels, telemetry).
+    for var in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TRANSFORMERS_OFFLINE"):
+        os.environ.setdefault(var, "1")
     import torch
     import transformers
     from transformers import LlamaForCausalLM  # imported once here, for every child
@@ -319,17 +438,25 @@ def parent(args):
         seqs_override[name] = [int(v) for v in values.split(",")]
     plan_spec = {"device": args.device, "names": args.models, "fill": args.fill,
                  "seqs_override": seqs_override}
-    got, ended = run_forked(run_plan, plan_spec, 180, os.path.join(logs, "plan.log"))
+    got, ended = run_forked(run_plan, plan_spec, max(1.0, min(180, deadline - time.time())),
+                            os.path.join(logs, "plan.log"))
     if not got:
-        sys.exit(f"llm_step: measuring the link and planning the models failed ({ended}); see "
-                 f"{logs}/plan.log")
+        try:  # its cause, for gpu_bench.sh's summary line
+            with open(os.path.join(logs, "plan.log")) as f:
+                cause = " / ".join(line.strip() for line in f.readlines()[-2:])
+        except OSError:
+            cause = ""
+        sys.exit(f"llm_step: the plan (link, models) failed: {cause} ({ended}; "
+                 f"{logs}/plan.log)")
     link, models = got[0]["link"], got[0]["models"]
     if link is not None:
         meta["link"] = link
         meta["device_name"] = link["device_name"]
+        bandwidth = (f"pinned D2H {link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} GB/s"
+                     if "d2h_gbps" in link else
+                     f"the link's bandwidth not measured: {link.get('error')}")
         print(f"[{time.time() - t0:.0f} s] {link['device_name']}, "
-              f"{link['device_total'] / GIB:.1f} GiB; pinned D2H {link['d2h_gbps']:.1f} GB/s, "
-              f"H2D {link['h2d_gbps']:.1f} GB/s", flush=True)
+              f"{link['device_total'] / GIB:.1f} GiB; {bandwidth}", flush=True)
     else:
         meta["link"] = {"reason": "n/a on the simulated device: Spillway exposes no API that "
                                   "times its simulated copies, so no bound is given"}
@@ -351,6 +478,8 @@ def parent(args):
     rows = []
     jobs = [(c, name) for c in configs for name in models]
     for i, (config, name) in enumerate(jobs):
+        if STOP:
+            break
         why = availability(args.device, config)
         if why:
             rows.append({"model": name, "config": config, "seq": None, "status": "unavailable",
@@ -369,49 +498,55 @@ def parent(args):
                              "reason": f"{left:.0f} s of the budget left for {len(rest)} jobs"})
             print(f"[{time.time() - t0:.0f} s] {config} / {name}: no time", flush=True)
             continue
-        job_deadline = time.time() + share
+        job_deadline, kill_at = job_window(time.time(), deadline, share, args.grace_s)
         spec = job_spec(args, models, name, config, rows, link, host_ram, job_deadline)
-        got, ended = run_forked(run_job, spec, share + args.grace_s,
+        got, ended = run_forked(run_job, spec, kill_at - time.time(),
                                 os.path.join(logs, f"{name}.{config}.log"), host_guard)
-        done = {r["seq"] for r in got}
-        if ended and "host's available memory" in ended:
-            # The length in progress took the host's memory: its frontier, as for the device.
-            seq = next((q for q in spec["seqs"] if q not in done), None)
-            if seq is not None:
-                got.append({"model": name, "config": config, "seq": seq, "status": "oom",
-                            "reason": f"host memory: {ended}"})
-                done.add(seq)
-        stop = next((r for r in got if r["status"] in ("oom", "error")), None)
-        for seq in spec["seqs"]:
-            if seq in done or any(r["seq"] is None for r in got):
-                continue
-            if stop is not None and seq > stop["seq"]:
-                got.append({"model": name, "config": config, "seq": seq, "status": "skipped",
-                            "reason": f"beyond the first {stop['status']} at {stop['seq']}"})
-            else:
-                killed = ended is not None and ended.startswith("killed after")
-                got.append({"model": name, "config": config, "seq": seq,
-                            "status": "no_time" if killed else "error",
-                            "reason": ended or "the job ended without a row for this length"})
-        got.sort(key=lambda r: (r["seq"] is not None, r["seq"] or 0))
+        got = settle(got, ended, spec, name, config)
         rows += got
         brief = ", ".join(f"{r['seq']}:{r['status']}" for r in got)
         print(f"[{time.time() - t0:.0f} s] {config} / {name}: {brief}"
               + (f" ({ended})" if ended else ""), flush=True)
+        write_outputs(args, meta, rows, models, configs, link, t0, final=False)
+    if STOP:
+        meta["stopped"] = STOP["why"]
+        print(f"[{time.time() - t0:.0f} s] llm_step: {STOP['why']}; writing what ran",
+              flush=True)
+        for config, name in jobs:
+            if not any(r["model"] == name and r["config"] == config for r in rows):
+                rows += [{"model": name, "config": config, "seq": seq, "status": "no_time",
+                          "reason": STOP["why"]} for seq in models[name]["seqs"]]
+    write_outputs(args, meta, rows, models, configs, link, t0, final=True)
+    if STOP:
+        sys.exit(124)
 
-    annotate(rows, models, link)
-    front = frontier(rows, models, configs)
-    meta["elapsed_s"] = time.time() - t0
-    meta["configs"] = [{"name": c, "label": LABELS[c]} for c in configs]
-    with open(os.path.join(args.out, "llm_step.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "frontier": front}, f, indent=1)
-    with open(os.path.join(args.out, "llm_step.md"), "w") as f:
-        f.write(markdown(meta, rows, models, front))
-    png = plot(meta, rows, models, front, os.path.join(args.out, "llm_step.png"))
-    print()
-    print(summary(meta, rows, models, front))
-    print(f"\nwritten: {args.out}/llm_step.json, llm_step.md, {os.path.basename(png)}; logs in "
-          f"{logs}/")
+
+def settle(got, ended, spec, name, config):
+    """A job's rows, with a row for each length it did not report: the first one that took the
+    host's memory (as out of memory), those past its first out-of-memory or error (skipped),
+    and the rest (no time when it was killed for time, else an error), in length order."""
+    done = {r["seq"] for r in got}
+    if ended and "host's available memory" in ended:
+        # The length in progress took the host's memory: its frontier, as for the device.
+        seq = next((q for q in spec["seqs"] if q not in done), None)
+        if seq is not None:
+            got.append({"model": name, "config": config, "seq": seq, "status": "oom",
+                        "reason": f"host memory: {ended}"})
+            done.add(seq)
+    stop = next((r for r in got if r["status"] in ("oom", "error")), None)
+    for seq in spec["seqs"]:
+        if seq in done or any(r["seq"] is None for r in got):
+            continue
+        if stop is not None and seq > stop["seq"]:
+            got.append({"model": name, "config": config, "seq": seq, "status": "skipped",
+                        "reason": f"beyond the first {stop['status']} at {stop['seq']}"})
+        else:
+            killed = ended is not None and ended.startswith(("killed after", "stopped by"))
+            got.append({"model": name, "config": config, "seq": seq,
+                        "status": "no_time" if killed else "error",
+                        "reason": ended or "the job ended without a row for this length"})
+    got.sort(key=lambda r: (r["seq"] is not None, r["seq"] or 0))
+    return got
 
 
 def main():

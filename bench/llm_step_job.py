@@ -4,12 +4,17 @@ configuration is a peer's (peer_context)."""
 
 import contextlib
 import gc
+import importlib.util
+import logging
 import os
 import statistics
+import sys
 import time
 import traceback
+import types
 
 from llm_step_common import CHECKPOINTED, COMPILE_MIN_BYTES, MIB, SPILLWAY
+from llm_step_report import flops_per_step
 
 
 class Unavailable(Exception):
@@ -54,6 +59,129 @@ def is_oom(error):
                                                 or "CUBLAS_STATUS_ALLOC_FAILED" in text)
 
 
+def length_guess(model_spec, last_seq, last_s, seq):
+    """Seconds that length `seq` should take, from `last_s` at `last_seq`: in proportion to the
+    training FLOPs, which grow between linearly (the weights' share) and quadratically (causal
+    attention's) with the length; where the model's parameter count is not known, as length^1.5.
+    A fixed 1.5 overestimates a width-4096 stack, whose FLOPs are nearly all its weights': the
+    length that shows Spillway past the reference's frontier would be cut as "no time"."""
+    if "params" in model_spec:
+        return last_s * flops_per_step(model_spec, seq) / flops_per_step(model_spec, last_seq)
+    return last_s * (seq / last_seq) ** 1.5
+
+
+def set_determinism(torch, mode):
+    """torch.use_deterministic_algorithms for `mode` ("strict", "warn" or "off"); returns the rows'
+    label. Uninitialised memory is left unfilled: with determinism on, torch would otherwise write
+    NaN into every torch.empty first, the host-offload peers' pinned buffers included (by the CPU,
+    in their pack hooks, on the forward's critical path), a cost no real run pays that falls on
+    some configurations more than on others. The fill only exposes reads of uninitialised memory;
+    the results of a correct program are the same without it."""
+    if mode == "off":
+        return "off"
+    torch.use_deterministic_algorithms(True, warn_only=mode != "strict")
+    try:
+        import torch.utils.deterministic as deterministic  # torch >= 2.1
+
+        deterministic.fill_uninitialized_memory = False
+    except (ImportError, AttributeError):
+        pass
+    return "strict" if mode == "strict" else "warn_only"
+
+
+def train_with_fallback(train, relax, strict):
+    """train(); where strict determinism raises (an operation without a deterministic kernel),
+    relax() and train() once more. The second try runs after the except block, once the failed
+    attempt's traceback (whose frames hold its activations, logits and optimizer state) is gone:
+    inside the block those tensors would still hold device memory. Returns (result, the first
+    line of the strict error or None)."""
+    try:
+        return train(), None
+    except RuntimeError as error:
+        if not strict or "deterministic" not in str(error):
+            raise
+        traceback.print_exc()
+        why = str(error).strip().splitlines()[0][:200]
+    gc.collect()
+    relax()
+    return train(), why
+
+
+def wait_for_device_memory(mem_get_info, expected_free, timeout_s, margin=2 << 30,
+                           sleep=time.sleep):
+    """Waits up to timeout_s until the device's free memory is back within `margin` of
+    expected_free (what the plan's process saw before any job ran): the process of the job before
+    may still be handing its memory back to the driver (a killed one especially), and a model
+    built now would run out of memory for that job's sake. Returns (seconds waited, the free
+    bytes last seen)."""
+    start = time.monotonic()
+    while True:
+        free = mem_get_info()[0]
+        waited = time.monotonic() - start
+        if expected_free is None or free >= expected_free - margin or waited >= timeout_s:
+            return waited, free
+        sleep(0.5)
+
+
+def load_torchtune_offloading():
+    """torchtune's OffloadActivations and NoOpManager, and a note (None: the package imported).
+
+    torchtune 0.6.1 (its last release) imports its whole tree on `import torchtune`: torchao with
+    torchao.dtypes.nf4tensor (gone from torchao 0.18), sentencepiece, tiktoken, datasets,
+    omegaconf. Where that fails, its torchtune/training/_activation_offloading.py, which needs
+    none of them, is loaded alone: its imports of torchao's NF4Tensor (named only in an error
+    path), torchtune.modules.TiedLinear (used only by get_act_offloading_ctx_manager) and
+    torchtune.utils.get_logger are served by stand-ins while it loads. The class that runs is
+    torchtune's own code either way. Raises Unavailable where neither works."""
+    try:
+        from torchtune.training import NoOpManager, OffloadActivations
+
+        return OffloadActivations, NoOpManager, None
+    except Exception as error:  # noqa: BLE001 - any import failure: try the file alone
+        why = f"{type(error).__name__}: {str(error).strip()[:200]}"
+    spec = importlib.util.find_spec("torchtune")  # finds the package without running it
+    if spec is None or not spec.submodule_search_locations:
+        raise Unavailable(f"torchtune does not import ({why}) and its files are not found")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "training",
+                        "_activation_offloading.py")
+    if not os.path.isfile(path):
+        raise Unavailable(f"torchtune does not import ({why}) and has no {path}")
+
+    def stub(name, **attrs):
+        module = types.ModuleType(name)
+        module.__dict__.update(attrs)
+        return module
+
+    nf4 = type("NF4Tensor", (), {})
+    stubs = {
+        "torchao": stub("torchao", __version__="0", __path__=[]),
+        "torchao.dtypes": stub("torchao.dtypes", __path__=[]),
+        "torchao.dtypes.nf4tensor": stub("torchao.dtypes.nf4tensor", NF4Tensor=nf4),
+        "torchtune": stub("torchtune", __path__=[]),
+        "torchtune.modules": stub("torchtune.modules", TiedLinear=type("TiedLinear", (), {})),
+        "torchtune.utils": stub("torchtune.utils", get_logger=lambda level=None:
+                                logging.getLogger("torchtune")),
+    }
+    saved = {name: sys.modules.get(name) for name in stubs}
+    sys.modules.update(stubs)
+    try:
+        file_spec = importlib.util.spec_from_file_location("llm_step_torchtune_offloading", path)
+        module = importlib.util.module_from_spec(file_spec)
+        file_spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001
+        raise Unavailable(f"torchtune does not import ({why}), nor its "
+                          f"_activation_offloading.py alone: {type(error).__name__}: {error}")
+    finally:
+        for name, previous in saved.items():
+            if previous is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = previous
+    note = (f"torchtune's training/_activation_offloading.py loaded alone (the package does "
+            f"not import here: {why})")
+    return module.OffloadActivations, module.NoOpManager, note
+
+
 class CountingHooks:
     """Counts the bytes a hook-based peer (save_on_cpu, torchtune, TRL) copies to the host and
     back, by wrapping its pack and unpack hooks: those peers keep no such counter."""
@@ -92,19 +220,18 @@ class CountingHooks:
         return wrapped
 
 
-def peer_context(config, model, torch):
+def peer_context(config, model, torch, notes):
     """The context factory (called once per sequence length) of a hook-based peer, and the
-    object that counts its copies."""
+    object that counts its copies; what the rows should say of how it was loaded goes to notes."""
     if config == "save_on_cpu":
         def make():
             ctx = torch.autograd.graph.save_on_cpu(pin_memory=True)
             return ctx, CountingHooks(ctx, config)
         return make
     if config == "torchtune":
-        try:
-            from torchtune.training import NoOpManager, OffloadActivations
-        except Exception as error:  # noqa: BLE001 - any import failure makes the row n/a
-            raise Unavailable(f"torchtune does not import: {type(error).__name__}: {error}")
+        OffloadActivations, NoOpManager, note = load_torchtune_offloading()
+        if note:
+            notes.append(note)
 
         # As torchtune's get_act_offloading_ctx_manager does for its own models' output layer:
         # the LM head's input is reloaded at once in backward, so it stays.
@@ -168,10 +295,17 @@ def setup_compile_offload(model, link_gbps, torch):
     for key, value in settings.items():
         setattr(fc, key, value)
     import torch._dynamo
+    import torch._inductor.config as ic
 
+    # torch 2.11's reload prefetch reads the link's bandwidth from inductor's config.
+    if hasattr(ic, "cpu_gpu_bw") and link_gbps:
+        ic.cpu_gpu_bw = float(link_gbps)
+    # One compiled region per layer, and a recompilation per new length: room for every layer
+    # to take its own (68 on an H200).
+    limit = max(64, 2 * len(model.model.layers) + 16)
     for key in ("recompile_limit", "cache_size_limit"):
         if hasattr(torch._dynamo.config, key):
-            setattr(torch._dynamo.config, key, max(64, getattr(torch._dynamo.config, key)))
+            setattr(torch._dynamo.config, key, max(limit, getattr(torch._dynamo.config, key)))
     for layer in model.model.layers:
         layer.compile()
     return sorted(k for k in settings if k != "joint_custom_pass")
@@ -206,14 +340,10 @@ def run_job(spec, emit):
         # machine several times slower and erratic (every configuration runs the same way).
         torch.set_num_threads(1)
     determinism = "n/a (CPU)"
-    if device == "cuda" and spec.get("deterministic", "strict") != "off":
+    if device == "cuda":
         # The flash-attention backward is deterministic only in strict mode (warn_only leaves it
         # atomic): without it two runs of the same configuration differ in the last bits.
-        strict = spec.get("deterministic", "strict") == "strict"
-        torch.use_deterministic_algorithms(True, warn_only=not strict)
-        determinism = "strict" if strict else "warn_only"
-    elif device == "cuda":
-        determinism = "off"
+        determinism = set_determinism(torch, spec.get("deterministic", "strict"))
 
     def stats():
         if uses_spillway:
@@ -235,6 +365,12 @@ def run_job(spec, emit):
         else:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+            # The host-offload peers' pinned blocks (rounded up to powers of two) stay cached
+            # by torch's host allocator: without this each length would pin its own on top.
+            for name in ("_host_emptyCache", "reset_peak_host_memory_stats"):
+                fn = getattr(torch._C, name, None) or getattr(torch.cuda, name, None)
+                if fn is not None and torch.cuda.is_initialized():
+                    fn()
 
     def host_peak():
         if uses_spillway:
@@ -252,6 +388,13 @@ def run_job(spec, emit):
                 return s[key]
         return None
 
+    notes = []
+    if device == "cuda":
+        waited, free = wait_for_device_memory(torch.cuda.mem_get_info, spec.get("device_free"),
+                                              spec.get("memory_wait_s", 30))
+        if waited >= 1:
+            notes.append(f"waited {waited:.0f} s for the device's memory to come back "
+                         f"({free / (1 << 30):.1f} GiB free)")
     start_build = time.perf_counter()
     cfg = llama_config(model_spec, max(seqs))
     try:
@@ -274,11 +417,10 @@ def run_job(spec, emit):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    notes = []
     make_peer = None
     try:
         if config in ("save_on_cpu", "torchtune", "trl"):
-            make_peer = peer_context(config, model, torch)
+            make_peer = peer_context(config, model, torch, notes)
         elif config == "compile_offload":
             flags = setup_compile_offload(model, spec.get("link_d2h_gbps"), torch)
             notes.append("compile flags: " + ", ".join(flags))
@@ -299,8 +441,7 @@ def run_job(spec, emit):
             emit(dict(row, status="skipped", reason=skip))
             continue
         if last is not None:
-            # Time grows between linearly and quadratically with the length.
-            guess = last[1] * (seq / last[0]) ** 1.5
+            guess = length_guess(model_spec, last[0], last[1], seq)
             if time.time() + guess > spec["deadline"]:
                 for s in seqs[i:]:
                     emit(dict(common, seq=s, status="no_time",
@@ -311,22 +452,20 @@ def run_job(spec, emit):
         started = time.time()
         budget = spec.get("budgets", {}).get(str(seq))
         try:
-            try:
-                result = train_length(torch, model, spec, seq, dev, config, make_peer, budget,
-                                      min_bytes, stats, sync, spillway)
-            except RuntimeError as error:
-                if determinism != "strict" or "deterministic" not in str(error):
-                    raise
+            def relax():
                 # An operation without a deterministic kernel: the rest of this job runs with
                 # warnings instead, and says so (its losses may then differ in the last bits).
-                traceback.print_exc()
-                torch.use_deterministic_algorithms(True, warn_only=True)
-                determinism = "warn_only (strict raised: " + str(error).splitlines()[0][:200] + ")"
-                row["determinism"] = determinism
+                set_determinism(torch, "warn")
                 model.zero_grad(set_to_none=True)
                 empty_and_reset()
-                result = train_length(torch, model, spec, seq, dev, config, make_peer, budget,
-                                      min_bytes, stats, sync, spillway)
+
+            result, strict_error = train_with_fallback(
+                lambda: train_length(torch, model, spec, seq, dev, config, make_peer, budget,
+                                     min_bytes, stats, sync, spillway),
+                relax, determinism == "strict")
+            if strict_error is not None:
+                determinism = f"warn_only (strict raised: {strict_error})"
+                row["determinism"] = determinism
             row.update(result, status="ok")
             row["host_peak"] = host_peak()
         except Exception as error:  # noqa: BLE001 - reported per length, the matrix goes on

@@ -40,7 +40,7 @@ def annotate(rows, models, link):
         if ref is not None:
             r["saved_fraction"] = 1 - r["peak_allocated"] / ref["peak_allocated"]
             r["overhead_fraction"] = r["median_step_s"] / ref["median_step_s"] - 1
-        if not link or not r.get("to_host_per_step"):
+        if not link or "d2h_gbps" not in link or not r.get("to_host_per_step"):
             continue
         base_config = "checkpoint" if r["config"] in CHECKPOINTED else "pytorch"
         base = ok_rows(rows, r["model"], base_config)
@@ -94,6 +94,12 @@ def frontier(rows, models, configs):
     return out
 
 
+def chosen(front):
+    """The configurations of this run (--configs may name a few), as (name, label), in order."""
+    names = {f["config"] for f in front}
+    return [(c, label) for c, label in CONFIGS if c in names]
+
+
 def fmt(value, scale=1.0, digits=1):
     if value is None:
         return ""
@@ -109,12 +115,14 @@ def markdown(meta, rows, models, front):
                  f"{meta['python']}; {meta['steps']} steps per length (the first is warm-up); "
                  f"determinism {meta['determinism']}; {meta['elapsed_s']:.0f} s of a "
                  f"{meta['budget_s']:.0f} s budget.")
+    if meta.get("stopped"):
+        lines.append(f"**Cut short**: {meta['stopped']}; the rows not run say no_time.")
     link = meta.get("link") or {}
     if "d2h_gbps" in link:
         lines.append(f"Link (pinned, {link['link_bytes'] / GIB:.0f} GiB copies, best of 5): "
                      f"D2H {link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} GB/s.")
     else:
-        lines.append(f"Link: {link.get('reason', 'not measured')}.")
+        lines.append(f"Link: {link.get('reason') or link.get('error') or 'not measured'}.")
     if sim:
         lines.append("On the simulated device the reference runs on Spillway's allocator (it is "
                      "the device) without offload; step times are the host CPU's, and say "
@@ -129,7 +137,7 @@ def markdown(meta, rows, models, front):
                   f"({unit}) | back / step ({unit}) | stall / step (ms) | bound (s) | step / "
                   f"bound | losses |",
                   "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-        for config, label in CONFIGS:
+        for config, label in chosen(front):
             mine = [r for r in rows if r["model"] == name and r["config"] == config]
             for r in mine:
                 if r["status"] == "skipped" and "beyond" in r.get("reason", ""):
@@ -155,7 +163,7 @@ def markdown(meta, rows, models, front):
     lines += ["", "## Out-of-memory frontier: the longest length each configuration trained", "",
               "| configuration | " + " | ".join(models) + " |",
               "|---|" + "---|" * len(models)]
-    for config, label in CONFIGS:
+    for config, label in chosen(front):
         cells = []
         for name in models:
             e = next(f for f in front if f["model"] == name and f["config"] == config)
@@ -174,7 +182,8 @@ def plot(meta, rows, models, front, path):
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(15, 8.5))
     colors = plt.get_cmap("tab20").colors
     markers = ["o", "s", "^", "D"]
-    for ci, (config, label) in enumerate(CONFIGS):
+    configs = chosen(front)
+    for ci, (config, label) in enumerate(configs):
         for mi, name in enumerate(models):
             pts = [r for r in rows if r["model"] == name and r["config"] == config
                    and r["status"] == "ok" and "saved_fraction" in r]
@@ -199,7 +208,7 @@ def plot(meta, rows, models, front, path):
     height = 0.8 / max(1, len(names))
     low = math.log2(min(min(m["seqs"]) for m in models.values())) - 1
     for mi, name in enumerate(names):
-        for ci, (config, _) in enumerate(CONFIGS):
+        for ci, (config, _) in enumerate(configs):
             e = next(f for f in front if f["model"] == name and f["config"] == config)
             y = ci + mi * height
             value = e["longest"] or 0
@@ -213,8 +222,8 @@ def plot(meta, rows, models, front, path):
                    "all" if tag.startswith("trained every") else
                    "n/a" if e["longest"] is None else tag.split(" ")[0])
             bx.text(low + width + 0.05, y, f"{value or '-'} ({tag})", va="center", fontsize=6)
-    bx.set_yticks([c + 0.4 - height / 2 for c in range(len(CONFIGS))])
-    bx.set_yticklabels([label for _, label in CONFIGS], fontsize=7)
+    bx.set_yticks([c + 0.4 - height / 2 for c in range(len(configs))])
+    bx.set_yticklabels([label for _, label in configs], fontsize=7)
     bx.invert_yaxis()
     bx.set_xlim(left=low)
     bx.set_xlabel("longest sequence trained (log2)")
@@ -232,10 +241,12 @@ def summary(meta, rows, models, front):
     length the reference trained."""
     sim = meta["device"] == "sim"
     unit, scale = ("MiB", MIB) if sim else ("GiB", GIB)
-    out = [f"llm_step summary: {meta['device_name']}, {meta['elapsed_s']:.0f} s"]
+    out = [f"llm_step summary: {meta['device_name']}, {meta['elapsed_s']:.0f} s"
+           + (f" (cut short: {meta['stopped']})" if meta.get("stopped") else "")]
     link = meta.get("link") or {}
     out.append(f"link: D2H {link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} GB/s"
-               if "d2h_gbps" in link else f"link: {link.get('reason', 'n/a')}")
+               if "d2h_gbps" in link else
+               f"link: {link.get('reason') or link.get('error') or 'n/a'}")
     for name in models:
         ref = ok_rows(rows, name, "pytorch")
         if not ref:
@@ -246,7 +257,7 @@ def summary(meta, rows, models, front):
                 f"| configuration | tokens/s | vs ref step | peak alloc ({unit}) | vs ref | "
                 f"to host/step ({unit}) | step/bound | losses |", "|---|---:|---:|---:|---:|---:|"
                 "---:|---|"]
-        for config, label in CONFIGS:
+        for config, label in chosen(front):
             r = ok_rows(rows, name, config).get(seq)
             if r is None:
                 continue
@@ -257,7 +268,7 @@ def summary(meta, rows, models, front):
                        f"{fmt(r.get('step_over_bound'), 1, 2)} | {r['losses_vs_reference']} |")
     out += ["", "OOM frontier (longest length trained; what stopped it):",
             "| configuration | " + " | ".join(models) + " |", "|---|" + "---|" * len(models)]
-    for config, label in CONFIGS:
+    for config, label in chosen(front):
         cells = []
         for name in models:
             e = next(f for f in front if f["model"] == name and f["config"] == config)

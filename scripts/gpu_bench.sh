@@ -57,26 +57,38 @@ if [ $built = 1 ]; then
     record "llm_step (cuda)" NO-TIME "$(left) s left"
   else
     # Its own budget ends the matrix; the timeout is for a hang.
+    # Its own budget ends the matrix (no job outlives it); the timeout is for a hang, and its
+    # SIGTERM still leaves the rows that ran in llm_step.json and the summary in the log.
     timeout $((bench_budget + reserve - 5)) env \
       PYTHONPATH="$build/python:$root/bench${PYTHONPATH:+:$PYTHONPATH}" \
       "$py" "$root/bench/llm_step.py" --device cuda --out "$out/llm_step" \
       --budget-s "$bench_budget" "$@" >"$out/llm_step.log" 2>&1
     bench_rc=$?
-    if [ $bench_rc = 0 ] && [ -f "$out/llm_step/llm_step.json" ]; then
+    counts=""
+    if [ -f "$out/llm_step/llm_step.json" ]; then
       counts=$("$py" -c 'import collections, json, sys
 rows = json.load(open(sys.argv[1]))["rows"]
 c = collections.Counter(r["status"] for r in rows)
 print(", ".join(f"{n} {k}" for k, n in sorted(c.items())))' "$out/llm_step/llm_step.json" 2>&1 |
         tail -1)
+    fi
+    if [ $bench_rc = 0 ] && [ -n "$counts" ]; then
       record "llm_step (cuda)" PASS "rows: $counts; tables in llm_step/llm_step.md"
     else
       record "llm_step (cuda)" "$([ $bench_rc = 124 ] && echo NO-TIME || echo FAIL)" \
-        "exit $bench_rc; see llm_step.log (last: $(log_end llm_step.log 2))"
+        "exit $bench_rc${counts:+; rows so far: $counts}; see llm_step.log (last: $(log_end \
+        llm_step.log 2))"
     fi
   fi
 else
   record "llm_step (cuda)" FAIL "not run: no build"
 fi
+
+# --- what comes back stays small: a log past 2 MiB keeps its head and its end --------------------
+find "$out" -name '*.log' -size +2M -print0 | while IFS= read -r -d '' log; do
+  { head -c 65536 "$log"; printf '\n[... cut by gpu_bench.sh: %s bytes ...]\n' "$(wc -c <"$log")"
+    tail -c 1048576 "$log"; } >"$log.cut" && mv "$log.cut" "$log"
+done
 
 # --- summary (last) ------------------------------------------------------------------------------
 {

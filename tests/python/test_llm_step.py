@@ -5,6 +5,7 @@ spills, the plot is a PNG, and the out-of-memory frontier is reported."""
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import types
@@ -116,3 +117,304 @@ def test_physical_bound_and_losses_against_the_reference():
     assert at_256["bound"]["compute_s"] == pytest.approx(scale)
     assert "FLOPs-scaled from 128" in at_256["bound"]["compute_basis"]
     assert at_256["losses_vs_reference"] == "no reference at this length"
+
+
+# --- what the GPU run depends on, checked here (issue #37's first GPU run gets one try) -----------
+
+def load_parts():
+    """bench/llm_step.py itself (the parent) and its child's part, llm_step_job."""
+    spec = importlib.util.spec_from_file_location("llm_step", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import llm_step_job
+    return module, llm_step_job
+
+
+def run_bench(tmp_path, *args, env_extra=None, timeout=120):
+    env = dict(os.environ)
+    for var in ("SPILLWAY_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        env.pop(var, None)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, BENCH, "--device", "sim", "--out", str(tmp_path),
+                           *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.models
+def test_a_job_that_overruns_is_killed_within_the_matrix_budget(tmp_path):
+    # One length of 400 steps cannot finish in the budget. The job used to be killed only at its
+    # share plus --grace-s, past the budget, where gpu_bench.sh's timeout kills the parent
+    # before it writes anything; now it is killed at the budget and the report follows.
+    budget = 25
+    result = run_bench(tmp_path, "--budget-s", str(budget), "--configs", "pytorch", "--models",
+                       "llama-w4096", "--seqs", "llama-w4096:256", "--capacity-mb",
+                       "llama-w4096:256", "--steps", "400", "--min-job-s", "1",
+                       "--grace-s", "120", timeout=100)
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads((tmp_path / "llm_step.json").read_text())
+    assert data["meta"]["elapsed_s"] < budget + 8, data["meta"]["elapsed_s"]
+    [row] = [r for r in data["rows"] if r["config"] == "pytorch"]
+    assert row["status"] == "no_time" and row["reason"].startswith("killed after"), row
+    assert "llm_step summary" in result.stdout
+
+
+@pytest.mark.models
+def test_sigterm_writes_the_rows_that_ran_and_the_summary(tmp_path):
+    # gpu_bench.sh's timeout sends SIGTERM to the process group, the job's child included: what
+    # ran must still come back, and the job cut short says "no time", not "error".
+    env = dict(os.environ)
+    for var in ("SPILLWAY_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        env.pop(var, None)
+    proc = subprocess.Popen(
+        [sys.executable, BENCH, "--device", "sim", "--out", str(tmp_path), "--budget-s", "120",
+         "--configs", "pytorch", "spillway_eager", "spillway_auto", "checkpoint", "--models",
+         "llama-1b", "--seqs", "llama-1b:64,128", "--steps", "30", "--min-job-s", "1"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.strip().endswith("pytorch / llama-1b: 64:ok, 128:ok"):
+                os.killpg(proc.pid, signal.SIGTERM)
+                break
+        lines += proc.stdout.readlines()
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = "".join(lines)
+    assert code == 124, out
+    data = json.loads((tmp_path / "llm_step.json").read_text())
+    assert "stopped by signal" in data["meta"]["stopped"]
+    status = {(r["config"], r["seq"]): r["status"] for r in data["rows"]}
+    assert status[("pytorch", 64)] == status[("pytorch", 128)] == "ok", status
+    assert status[("checkpoint", 64)] == "no_time", status
+    assert "error" not in status.values(), status
+    assert "Cut short" in (tmp_path / "llm_step.md").read_text()
+    assert "llm_step summary: " in out.split("writing what ran")[-1]
+
+
+@pytest.mark.models
+def test_a_plot_that_fails_leaves_the_tables_and_the_summary(tmp_path):
+    # matplotlib is carried to the GPU machine only while build-deps/ has room for it.
+    fake = tmp_path / "fake"
+    (fake / "matplotlib").mkdir(parents=True)
+    (fake / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    out = tmp_path / "out"
+    result = run_bench(out, "--budget-s", "40", "--configs", "pytorch", "--models", "llama-1b",
+                       "--seqs", "llama-1b:64", env_extra={
+                           "PYTHONPATH": os.pathsep.join([str(fake),
+                                                          os.environ.get("PYTHONPATH", "")])})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (out / "llm_step.json").exists() and (out / "llm_step.md").exists()
+    assert not (out / "llm_step.png").exists()
+    summary = result.stdout.split("llm_step summary")[-1]
+    assert "no llm_step.png (ImportError: no matplotlib here)" in summary
+
+
+def test_job_window_ends_every_job_within_the_matrix_budget():
+    llm_step, _ = load_parts()
+    # Early in the matrix: the job's share, then the grace for a length in progress.
+    assert llm_step.job_window(0, 400, 30, 20) == (30, 50)
+    # The last job: killed at the budget, its own deadline the grace before.
+    assert llm_step.job_window(370, 400, 30, 20) == (380, 400)
+
+
+def test_determinism_leaves_uninitialized_memory_unfilled():
+    # With determinism on, torch.empty writes NaN first, on the CPU for the host-offload peers'
+    # pinned buffers (save_on_cpu's pack hook): GBs a step that only their rows would pay.
+    import torch
+    import torch.utils.deterministic as deterministic
+
+    _, job = load_parts()
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(),
+              deterministic.fill_uninitialized_memory)
+    try:
+        assert job.set_determinism(torch, "off") == "off"
+        assert deterministic.fill_uninitialized_memory == before[2]
+        assert job.set_determinism(torch, "strict") == "strict"
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert deterministic.fill_uninitialized_memory is False
+        assert job.set_determinism(torch, "warn") == "warn_only"
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        deterministic.fill_uninitialized_memory = before[2]
+
+
+def test_strict_fallback_retries_once_the_failed_attempt_is_released():
+    # The failed attempt's frames hold its activations: a retry inside the except block would
+    # start with them still on the device.
+    import weakref
+
+    _, job = load_parts()
+
+    class Activations:
+        pass
+
+    attempts, relaxed = [], []
+
+    def train():
+        held = Activations()
+        attempts.append(weakref.ref(held))
+        if len(attempts) == 1:
+            raise RuntimeError("foo_backward_cuda does not have a deterministic implementation")
+        assert attempts[0]() is None, "the failed attempt's tensors are still alive"
+        return "trained"
+
+    result, why = job.train_with_fallback(train, lambda: relaxed.append(1), strict=True)
+    assert (result, relaxed) == ("trained", [1])
+    assert "does not have a deterministic implementation" in why
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        job.train_with_fallback(lambda: (_ for _ in ()).throw(
+            RuntimeError("CUDA out of memory")), lambda: None, strict=True)
+
+
+TORCHTUNE_OFFLOADING = '''
+import torch
+import torchao
+from torch.autograd.graph import saved_tensors_hooks
+from torchao.dtypes.nf4tensor import NF4Tensor
+from torchtune.modules import TiedLinear
+from torchtune.utils import get_logger
+
+log = get_logger("DEBUG")
+
+
+class OffloadActivations(saved_tensors_hooks):
+    def __init__(self, use_pin_memory=True):
+        super().__init__(lambda t: t, lambda t: t)
+
+
+class NoOpManager(saved_tensors_hooks):
+    def __init__(self):
+        super().__init__(lambda t: t, lambda t: t)
+'''
+
+
+def test_torchtune_offloading_loads_from_its_file_when_the_package_does_not_import(
+        tmp_path, monkeypatch):
+    # torchtune 0.6.1's `import torchtune` needs torchao's nf4tensor (gone from torchao 0.18),
+    # sentencepiece, tiktoken...: the row would say "does not import" on the GPU machine.
+    _, job = load_parts()
+    package = tmp_path / "torchtune"
+    (package / "training").mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('torchao not installed')\n")
+    (package / "training" / "__init__.py").write_text("")
+    (package / "training" / "_activation_offloading.py").write_text(TORCHTUNE_OFFLOADING)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [n for n in sys.modules if n.split(".")[0] in ("torchtune", "torchao")]:
+        monkeypatch.delitem(sys.modules, name)
+    offload, noop, note = job.load_torchtune_offloading()
+    assert offload.__name__ == "OffloadActivations" and noop.__name__ == "NoOpManager"
+    assert "loaded alone" in note and "torchao not installed" in note
+    # The stand-ins are gone again.
+    assert not [n for n in sys.modules if n.split(".")[0] in ("torchtune", "torchao")]
+    (package / "training" / "_activation_offloading.py").unlink()
+    with pytest.raises(job.Unavailable, match="torchao not installed"):
+        job.load_torchtune_offloading()
+
+
+def test_host_memory_estimate_of_the_peers():
+    llm_step, _ = load_parts()
+    gib = 1 << 30
+    models = {"m": dict(params=2 * gib, dtype_bytes=2, seqs=[1024, 2048, 4096])}
+
+    def row(config, seq, **more):
+        return dict(model="m", config=config, seq=seq, status="ok", **more)
+
+    # The reference's peak above its resident state counts the gradients too (8 GiB at 1024).
+    rows = [row("pytorch", 1024, peak_allocated=30 * gib, base_allocated=20 * gib),
+            row("spillway_eager", 1024, to_host_per_step=2 * gib, host_peak=2 * gib),
+            row("spillway_eager", 2048, to_host_per_step=4 * gib, host_peak=4 * gib),
+            # Held at its host_limit_mb: not all of its activations went to the host.
+            row("spillway_eager", 4096, to_host_per_step=7 * gib, host_peak=7.5 * gib)]
+    limit = 8 * gib
+    act, basis = llm_step.host_bytes_estimate(rows, "m", models, "torchtune", 2048, limit)
+    assert act == 4 * gib and basis == "Spillway eager's bytes to the host"
+    act, basis = llm_step.host_bytes_estimate(rows, "m", models, "trl", 4096, limit)
+    assert act == 8 * gib and "at 2048, scaled" in basis
+    # save_on_cpu copies the weights that layers save, too.
+    act, basis = llm_step.host_bytes_estimate(rows, "m", models, "save_on_cpu", 2048, limit)
+    assert act == 8 * gib and "4.0 GiB of weights" in basis
+    # No eager row: the reference's activation memory.
+    act, basis = llm_step.host_bytes_estimate(rows[:1], "m", models, "trl", 2048, limit)
+    assert act == 20 * gib and "the reference's" in basis
+
+
+def test_device_memory_wait():
+    _, job = load_parts()
+    gib = 1 << 30
+    seen = iter([10 * gib, 40 * gib, 78 * gib, 79 * gib])
+    sleeps = []
+    waited, free = job.wait_for_device_memory(lambda: (next(seen), 80 * gib), 79 * gib, 30,
+                                              sleep=sleeps.append)
+    assert free == 78 * gib and len(sleeps) == 2  # within 2 GiB of what the plan saw
+    waited, free = job.wait_for_device_memory(lambda: (1, 80 * gib), None, 30)
+    assert free == 1 and waited < 1
+
+
+def test_bounds_without_a_measured_link():
+    bench = load_bench()
+    rows = [{"model": "m", "config": "pytorch", "seq": 8, "status": "ok", "median_step_s": 1.0,
+             "peak_allocated": 10, "losses": [1.0]},
+            {"model": "m", "config": "save_on_cpu", "seq": 8, "status": "ok",
+             "median_step_s": 2.0, "peak_allocated": 5, "losses": [1.0],
+             "to_host_per_step": 100, "to_device_per_step": 100}]
+    bench.annotate(rows, {"m": {}}, {"device_total": 1, "error": "RuntimeError: no pinning"})
+    assert "bound" not in rows[1] and rows[1]["saved_fraction"] == 0.5
+
+
+def test_report_of_a_run_with_some_configurations():
+    # docs/gpu.md's retry runs `--configs pytorch spillway_eager ...`: the tables used to look
+    # up every configuration's frontier and stopped at the first not run.
+    import llm_step_report as report
+
+    load_bench()
+    models = {"m": dict(label="m", params=1e9, batch=1, seqs=[8, 16], capacity_mb=1)}
+    rows = [{"model": "m", "config": "pytorch", "seq": 8, "status": "ok", "median_step_s": 1.0,
+             "tokens_per_s": 8.0, "peak_allocated": 10, "peak_reserved": 12, "losses": [1.0]},
+            {"model": "m", "config": "pytorch", "seq": 16, "status": "oom", "reason": "OOM"}]
+    meta = {"device": "sim", "device_name": "sim", "date": "today", "torch": "t",
+            "transformers": "t", "python": "p", "steps": 3, "determinism": "n/a",
+            "elapsed_s": 1.0, "budget_s": 2.0, "link": {"reason": "n/a"}}
+    report.annotate(rows, models, None)
+    front = report.frontier(rows, models, ["pytorch"])
+    table = report.markdown(meta, rows, models, front)
+    assert "| PyTorch allocator, no offload (reference) | 8 (out of memory at 16) |" in table
+    assert "Spillway eager" not in report.summary(meta, rows, models, front)
+
+
+def test_cuda_job_spec_caps_the_peers_by_host_memory():
+    llm_step, _ = load_parts()
+    gib = 1 << 30
+    args = types.SimpleNamespace(device="cuda", steps=3, seed=0, deterministic="strict",
+                                 host_fraction=0.3)
+    models = {"m": dict(params=8 * gib, dtype_bytes=2, seqs=[1024, 2048], layers=4)}
+    link = {"device_total": 80 * gib, "device_free": 79 * gib, "d2h_gbps": 50.0}
+    rows = [dict(model="m", config="spillway_eager", seq=1024, status="ok",
+                 to_host_per_step=10 * gib, host_peak=10 * gib)]
+    host = 128 * gib
+    trl = llm_step.job_spec(args, models, "m", "trl", rows, link, host, 0)
+    assert trl["device_free"] == 79 * gib and trl["host_limit_mb"] == int(0.3 * host) >> 20
+    assert trl["skip"] == {}  # 20 GiB at 2048, under 38.4 GiB
+    # save_on_cpu also pins the 16 GiB of weights its hook sees: 36 GiB at 2048 still fits,
+    # and 26 at 1024.
+    assert llm_step.job_spec(args, models, "m", "save_on_cpu", rows, link, host, 0)["skip"] == {}
+    models["m"]["params"] = 12 * gib
+    skip = llm_step.job_spec(args, models, "m", "save_on_cpu", rows, link, host, 0)["skip"]
+    assert list(skip) == ["2048"] and "24.0 GiB of weights" in skip["2048"]
+
+
+def test_next_length_guess_follows_the_training_flops():
+    llm_step, job = load_parts()
+    w4096 = dict(llm_step.MODELS["cuda"]["llama-w4096"], layers=36, params=8.903e9)
+    # Nearly all of a width-4096 stack's FLOPs are its weights': twice the length, about twice
+    # the time (a fixed length^1.5 said 2.8 times, and cut Spillway's longest length for time).
+    assert 2.0 < job.length_guess(w4096, 2048, 10.0, 4096) / 10.0 < 2.2
+    # The 1B shape at 32k-64k tokens is mostly attention's: about three times.
+    small = dict(llm_step.MODELS["cuda"]["llama-1b"], params=1.236e9)
+    assert 2.8 < job.length_guess(small, 32768, 1.0, 65536) < 3.2
+    assert job.length_guess({}, 100, 1.0, 400) == 8.0
