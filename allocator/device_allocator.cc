@@ -518,13 +518,7 @@ bool DeviceAllocator::Annotate(const void* ptr, TraceLabelsRef labels, TraceCont
   std::lock_guard lock(mutex_);
   const BlockId id = allocated_.Find(reinterpret_cast<uintptr_t>(ptr), AddressOf());
   if (id == kNoBlock) return false;
-  if (!history_.enabled()) return true;
-  const Block& b = arena_[id];
-  const BlockExtras* extras = arena_.extras(id);
-  history_.Record(TraceEntry{TraceAction::kAnnotate,
-                             extras != nullptr ? extras->category : TraceCategory::kUnknown,
-                             device_, b.ptr, b.requested, streams_.id(b.stream), NowMicros(),
-                             std::move(context), std::move(labels)});
+  TraceBlock(TraceAction::kAnnotate, id, std::move(context), std::move(labels));
   return true;
 }
 
@@ -580,20 +574,22 @@ std::optional<double> DeviceAllocator::memory_fraction() const {
 }
 
 void DeviceAllocator::Trace(TraceAction action, uintptr_t addr, size_t size, uint64_t stream,
-                            TraceContext context, TraceCategory category) {
+                            TraceContext context, TraceCategory category, TraceLabelsRef labels) {
   if (!history_.enabled()) return;
-  history_.Record(
-      TraceEntry{action, category, device_, addr, size, stream, NowMicros(), std::move(context)});
+  history_.Record(TraceEntry{action, category, device_, addr, size, stream, NowMicros(),
+                             std::move(context), std::move(labels)});
 }
 
-void DeviceAllocator::TraceBlockRecorded(TraceAction action, BlockId id, TraceContext context) {
+void DeviceAllocator::TraceBlockRecorded(TraceAction action, BlockId id, TraceContext context,
+                                         TraceLabelsRef labels) {
   const Block& b = arena_[id];
   TraceCategory category = TraceCategory::kUnknown;
   if (const BlockExtras* extras = arena_.extras(id)) {
     category = extras->category;
     if (action == TraceAction::kFreeCompleted) context = extras->context;
   }
-  Trace(action, b.ptr, b.requested, streams_.id(b.stream), std::move(context), category);
+  Trace(action, b.ptr, b.requested, streams_.id(b.stream), std::move(context), category,
+        std::move(labels));
 }
 
 }  // namespace spillway

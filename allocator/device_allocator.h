@@ -254,16 +254,20 @@ class DeviceAllocator {
   bool WaitOnHost(int device, const StreamRef& use);
   // Passes a failure of work on `stream` (of `device`) to the sink, for the stream's owner.
   void NoteStreamError(int device, uint64_t stream, const BackendError& error);
+  // `labels` null: the recording thread's (HistoryRing::Record).
   void Trace(TraceAction action, uintptr_t addr, size_t size, uint64_t stream, TraceContext context,
-             TraceCategory category = TraceCategory::kUnknown);
+             TraceCategory category = TraceCategory::kUnknown, TraceLabelsRef labels = nullptr);
   // Trace of an allocation's event: its stream's id and its extras are looked up only when
   // history is on. The events carry the caller's size, as PyTorch's do (memory_viz draws those);
   // a free, the block's category; free_completed, the frames of the allocation it ends, as
-  // PyTorch's (without them its viewer shows a freed block as having no frames).
-  void TraceBlock(TraceAction action, BlockId id, TraceContext context) {
-    if (history_.enabled()) TraceBlockRecorded(action, id, std::move(context));
+  // PyTorch's (without them its viewer shows a freed block as having no frames); an annotation,
+  // its own labels.
+  void TraceBlock(TraceAction action, BlockId id, TraceContext context,
+                  TraceLabelsRef labels = nullptr) {
+    if (history_.enabled()) TraceBlockRecorded(action, id, std::move(context), std::move(labels));
   }
-  void TraceBlockRecorded(TraceAction action, BlockId id, TraceContext context);
+  void TraceBlockRecorded(TraceAction action, BlockId id, TraceContext context,
+                          TraceLabelsRef labels);
   [[noreturn]] void ThrowOutOfMemory(size_t requested, size_t rounded);
   size_t LargestFreeBlockLocked() const;
   size_t ComputeLimit() const;

@@ -13,7 +13,7 @@ import time
 import traceback
 import types
 
-from llm_step_common import CHECKPOINTED, COMPILE_MIN_BYTES, MIB, SPILLWAY
+from llm_step_common import CHECKPOINTED, COMPILE_MIN_BYTES, GIB, MIB, SPILLWAY
 from llm_step_report import flops_per_step
 
 
@@ -394,7 +394,7 @@ def run_job(spec, emit):
                                               spec.get("memory_wait_s", 30))
         if waited >= 1:
             notes.append(f"waited {waited:.0f} s for the device's memory to come back "
-                         f"({free / (1 << 30):.1f} GiB free)")
+                         f"({free / GIB:.1f} GiB free)")
     start_build = time.perf_counter()
     cfg = llama_config(model_spec, max(seqs))
     try:

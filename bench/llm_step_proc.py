@@ -12,12 +12,17 @@ import traceback
 from llm_step_common import GIB
 
 
-def mem_available():
+def meminfo_bytes(key):
+    """The /proc/meminfo line `key` ("MemAvailable", "MemTotal") in bytes, or None."""
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return None
+
+
+def mem_available():
+    return meminfo_bytes("MemAvailable")
 
 
 def run_forked(fn, spec, timeout_s, log_path, host_guard=0):
@@ -106,11 +111,7 @@ def run_forked(fn, spec, timeout_s, log_path, host_guard=0):
 
 
 def host_ram_bytes():
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return meminfo_bytes("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 # Set by the parent's SIGTERM handler (the script's timeout): the job in progress is killed, no

@@ -171,6 +171,13 @@ void Runtime::EmptyCache(CachingAllocator& allocator) {
   if (OffloadEngine* engine = engine_if_created()) engine->TrimHostMemory();
 }
 
+void Runtime::CheckServes(c10::Device device, const std::string& what) const {
+  if (Serves(device)) return;
+  throw InvalidArgumentError(what + ": a tensor on " + device.str() +
+                             " is not on the device Spillway serves (" +
+                             (mode() == Mode::kSim ? "cpu, the simulated device" : "cuda") + ")");
+}
+
 StreamRef Runtime::CurrentStream(int device) const {
   CachingAllocator& alloc = allocator();
   if (mode() == Mode::kSim) return alloc.backend().default_stream(device);

@@ -56,6 +56,9 @@ class Runtime {
   bool Serves(c10::Device device) const {
     return mode() == Mode::kSim ? device.is_cpu() : device.is_cuda();
   }
+  // Throws InvalidArgumentError, naming the call `what` (e.g. "spillway.release") and the device
+  // Spillway serves, when it does not serve `device`.
+  void CheckServes(c10::Device device, const std::string& what) const;
   // True when consumers are host code (the simulated device): unpack waits on the host.
   bool host_consumers() const { return mode() == Mode::kSim; }
 

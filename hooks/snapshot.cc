@@ -433,12 +433,7 @@ std::string GetUserMetadata() { return Runtime::Get().allocator().user_metadata(
 
 void AnnotateTensor(const at::Tensor& tensor, const std::string& metadata) {
   Runtime& runtime = Runtime::Get();
-  if (!runtime.Serves(tensor.device())) {
-    throw InvalidArgumentError(
-        "annotate_tensor: a tensor on " + tensor.device().str() +
-        " is not on the device Spillway serves (" +
-        (runtime.mode() == Mode::kSim ? "cpu, the simulated device" : "cuda") + ")");
-  }
+  runtime.CheckServes(tensor.device(), "annotate_tensor");
   // Not tensor.data_ptr(): a view's points past its storage's start, and the annotation is the
   // allocation's.
   runtime.allocator().AnnotateMemory(tensor.storage().data_ptr().get(), metadata);

@@ -140,12 +140,7 @@ py::dict Release(const at::Tensor& tensor, bool force) {
   }
   // A storage with no memory passes the check below: one on a device Spillway does not serve (a
   // meta tensor, say) must not be emptied all the same.
-  if (const Runtime& runtime = Runtime::Get(); !runtime.Serves(tensor.device())) {
-    throw InvalidArgumentError(
-        "spillway.release: a tensor on " + tensor.device().str() +
-        " is not on the device Spillway serves (" +
-        (runtime.mode() == Mode::kSim ? "cpu, the simulated device" : "cuda") + ")");
-  }
+  Runtime::Get().CheckServes(tensor.device(), "spillway.release");
   const c10::Storage& storage = tensor.storage();
   // Memory of another allocator (torch.from_numpy, a tensor made before install), or a second
   // storage over Spillway's (torch.from_numpy(t.numpy()), DLPack): dropping the storage's hold

@@ -1,5 +1,6 @@
 // What the pinned pool tests share (pinned_pool_blocks_test.cc, pinned_pool_stream_order_test.cc):
-// sizes, a pool's options, and an Allocate that fails the test instead of returning an error.
+// a pool's options, and an Allocate that fails the test instead of returning an error (sizes:
+// tests/allocator/test_util.h).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -8,11 +9,9 @@
 
 #include "absl/status/statusor.h"
 #include "offload/pinned_pool.h"
+#include "tests/allocator/test_util.h"
 
 namespace spillway::testing {
-
-inline constexpr size_t kKiB = size_t{1} << 10;
-inline constexpr size_t kMiB = size_t{1} << 20;
 
 inline PinnedPool::Options Grow(size_t grow_bytes, size_t limit_bytes = 0) {
   PinnedPool::Options options;
