@@ -92,3 +92,47 @@ def test_pip_install_serves_a_plain_training_script_from_another_directory(tmp_p
     assert int(runs["spillway"]["to_host"]) > 0  # the start-up hook turned offload on
     assert runs["spillway"]["losses"] == runs["plain"]["losses"]
     assert runs["spillway"]["weights"] == runs["plain"]["weights"]
+
+
+def _stub_torch_python(tmp_path, cuda):
+    """An interpreter whose `torch` is a stub: a CUDA `cuda` build of 2.15 whose CMake package does
+    not exist. What the configure step asks torch before looking for its package is all it
+    answers."""
+    stub = tmp_path / "stub"
+    (stub / "torch" / "utils").mkdir(parents=True)
+    (stub / "torch" / "__init__.py").write_text(textwrap.dedent(f"""
+        from types import SimpleNamespace
+        from . import utils
+        __version__ = "2.15.0"
+        _C = SimpleNamespace(_GLIBCXX_USE_CXX11_ABI=True)
+        version = SimpleNamespace(cuda={cuda!r})
+    """))
+    (stub / "torch" / "utils" / "__init__.py").write_text(
+        f"cmake_prefix_path = {str(tmp_path / 'no-such-prefix')!r}\n")
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={stub} exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake")
+def test_a_cuda_torch_without_a_cuda_toolkit_is_named_when_configuring(tmp_path):
+    # pip's default torch is a CUDA build, whose CMake package stops without a toolkit with a
+    # message about "Caffe2"; the configure step says what is missing before that.
+    python = _stub_torch_python(tmp_path, "13.2")
+    base = ["cmake", "-S", ROOT, "-G", "Ninja", "-DSPILLWAY_WITH_CUDA=OFF",
+            "-DSPILLWAY_WITH_TESTS=OFF", "-DSPILLWAY_WITH_BENCH=OFF", "-DSPILLWAY_WITH_FUZZ=OFF",
+            f"-DPython3_EXECUTABLE={python}"]
+    # Under pip (scikit-build-core defines SKBUILD) the torch layer is the package: an error.
+    pip = subprocess.run(base + ["-B", str(tmp_path / "pip"), "-DSKBUILD=ON"],
+                         capture_output=True, text=True, timeout=300)
+    out = " ".join((pip.stdout + pip.stderr).split())  # CMake wraps its messages' lines
+    assert pip.returncode != 0, out[-3000:]
+    assert "is a CUDA 13.2 build" in out and "CUDA 13.x toolkit" in out, out[-3000:]
+    assert "Caffe2" not in out and "Could not find a package configuration" not in out, out[-3000:]
+    # A development build goes on without the torch layer (the core and its tests need no torch).
+    dev = subprocess.run(base + ["-B", str(tmp_path / "dev")], capture_output=True, text=True,
+                         timeout=300)
+    out = " ".join((dev.stdout + dev.stderr).split())
+    assert dev.returncode == 0, out[-3000:]
+    assert "is a CUDA 13.2 build" in out and "torch layer not built" in out, out[-3000:]
