@@ -120,7 +120,8 @@ def test_a_cuda_torch_without_a_cuda_toolkit_is_named_when_configuring(tmp_path)
     # pip's default torch is a CUDA build, whose CMake package stops without a toolkit with a
     # message about "Caffe2"; the configure step says what is missing before that.
     python = _stub_torch_python(tmp_path, "13.2")
-    base = ["cmake", "-S", ROOT, "-G", "Ninja", "-DSPILLWAY_WITH_CUDA=OFF",
+    # No toolkit, even on a machine with one: CMake's switch that makes find_package fail.
+    base = ["cmake", "-S", ROOT, "-G", "Ninja", "-DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON",
             "-DSPILLWAY_WITH_TESTS=OFF", "-DSPILLWAY_WITH_BENCH=OFF", "-DSPILLWAY_WITH_FUZZ=OFF",
             f"-DPython3_EXECUTABLE={python}"]
     # Under pip (scikit-build-core defines SKBUILD) the torch layer is the package: an error.
