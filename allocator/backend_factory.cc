@@ -22,6 +22,7 @@ std::shared_ptr<Backend> MakeBackend(const Config& config) {
     options.devices = config.sim_devices;
     options.capacity_bytes = config.sim_capacity_bytes;
     options.max_jitter = config.sim_max_jitter;
+    options.link_bytes_per_second = config.sim_link_bytes_per_second;
     return std::make_shared<SimBackend>(options);
   }
 #if defined(SPILLWAY_HAVE_CUDA)

@@ -352,6 +352,8 @@ constexpr IntegerRule kCapacityRule{1, kSizeMax, kMiB, "a positive integer (MiB)
 constexpr IntegerRule kSimDevicesRule{1, 16, 1, "an integer from 1 to 16"};
 constexpr IntegerRule kSimJitterRule{0, 1'000'000, 1,
                                      "an integer from 0 to 1000000 (microseconds)"};
+constexpr IntegerRule kSimLinkRule{0, 10'000'000, kMiB,
+                                   "an integer from 0 to 10000000 (MiB/s; 0 = unlimited)"};
 constexpr IntegerRule kMemoryLimitRule{0, kSizeMax, kMiB,
                                        "a non-negative integer (MiB; 0 = no limit)"};
 constexpr IntegerRule kHistoryRule{1, 10'000'000, 1, "an integer from 1 to 10000000"};
@@ -415,6 +417,10 @@ absl::Status SetSimJitter(std::string_view key, std::string_view value, Config& 
   return absl::OkStatus();
 }
 
+absl::Status SetSimLink(std::string_view key, std::string_view value, Config& config) {
+  return Assign(ParseInteger(key, value, kSimLinkRule), config.sim_link_bytes_per_second);
+}
+
 absl::Status SetMemoryLimit(std::string_view key, std::string_view value, Config& config) {
   return Assign(ParseInteger(key, value, kMemoryLimitRule), config.allocator.memory_limit_bytes);
 }
@@ -471,6 +477,7 @@ constexpr KeySpec kSpillwaySpecs[] = {
     {"capacity_mb", SetCapacity},
     {"sim_devices", SetSimDevices},
     {"sim_jitter_us", SetSimJitter},
+    {"sim_link_mb_per_s", SetSimLink},
     {"memory_limit_mb", SetMemoryLimit},
     {"history_entries", SetHistoryEntries},
     {"offload", SetOffload},

@@ -90,6 +90,10 @@ struct Config {
   // 0..sim_max_jitter, so that copies finish late and in other orders than the host expects (a
   // loaded machine's timing, on demand). 0: none.
   std::chrono::microseconds sim_max_jitter{0};
+  // Simulated device only: the bandwidth of each device's link to the host, per direction, in
+  // bytes per second (allocator/sim_link.h), so that copies take the time their bytes would. 0:
+  // unlimited, copies take what a memcpy takes.
+  size_t sim_link_bytes_per_second = 0;
   // True when the string contained `backend:spillway`.
   bool backend_spillway = false;
 

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -33,7 +34,8 @@ struct SimBackend::Event {
 
 SimBackend::SimBackend() : SimBackend(Options{}) {}
 
-SimBackend::SimBackend(Options options) : options_(options) {
+SimBackend::SimBackend(Options options)
+    : options_(options), link_(options.devices, options.link_bytes_per_second) {
   if (options_.devices < 0) {
     throw InvalidArgumentError(
         absl::StrFormat("SimBackend: devices must be >= 0, got %d", options_.devices));
@@ -413,7 +415,18 @@ void SimBackend::memcpy_async(int device, void* dst, const void* src, size_t byt
         });
     return;
   }
-  stream->Enqueue([this, dst, src, bytes, kind] {
+  stream->Enqueue([this, device, dst, src, bytes, kind] {
+    // A copy between host and device holds its lane of the link from when it starts and is done
+    // when its bytes have crossed. The bytes move at the end of that window, not its start: a
+    // reader of the destination that did not wait for the copy sees the old bytes, and a writer
+    // of the source that did not wait changes what lands, so the suites catch both missing waits.
+    if (kind != CopyKind::kDeviceToDevice) {
+      std::this_thread::sleep_until(link_.Reserve(device,
+                                                  kind == CopyKind::kHostToDevice
+                                                      ? SimLink::Lane::kHostToDevice
+                                                      : SimLink::Lane::kDeviceToHost,
+                                                  bytes, SimLink::Clock::now()));
+    }
     if (bytes > 0) std::memcpy(dst, src, bytes);
     num_copies_.fetch_add(1, std::memory_order_relaxed);
     bytes_copied_[CopyKindIndex(kind)].fetch_add(bytes, std::memory_order_relaxed);

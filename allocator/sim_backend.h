@@ -65,6 +65,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "allocator/backend.h"
+#include "allocator/sim_link.h"
 
 namespace spillway {
 
@@ -84,6 +85,9 @@ class SimBackend : public Backend {
     // and write simulated device memory from the host thread, outside every stream. A user whose
     // every access is a stream copy (the allocator's tests) may say true.
     bool accesses_follow_streams = false;
+    // Bandwidth of each device's link to the host, per direction (sim_link.h); 0 = unlimited (a
+    // copy takes what its memcpy takes).
+    uint64_t link_bytes_per_second = 0;
   };
 
   SimBackend();
@@ -232,6 +236,8 @@ class SimBackend : public Backend {
   static bool CountdownFires(int64_t& countdown);
 
   const Options options_;
+  // Thread-safe on its own; used by the streams' workers, never under `mu_`.
+  SimLink link_;
 
   mutable std::mutex mu_;
   // Keyed by address so `memcpy_async` can find the allocation containing a pointer.

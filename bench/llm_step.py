@@ -29,8 +29,9 @@ On CUDA the run first measures the link (pinned D2H and H2D copies, timed with C
 gives each row that moved bytes its physical bound, max(compute time, bytes to the host /
 D2H bandwidth, bytes back / H2D bandwidth), the compute time being that of the configuration's
 no-offload counterpart (the reference, or checkpointing for Spillway with checkpointing) at the
-same length: measured, or scaled by training FLOPs from the longest length it trained. Spillway
-exposes no way to time the simulated device's copies, so on sim the link and bounds are n/a.
+same length: measured, or scaled by training FLOPs from the longest length it trained. On sim the
+link is the simulated device's (--sim-link-mb-per-s): its copies take their bytes over that
+bandwidth, so the bounds there are exact for the link.
 
 `--one SPEC_JSON` runs one child in this process (for debugging) and prints its rows.
 """
@@ -49,7 +50,8 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The parts: what they share, the child's job, its process, the report.
 from llm_step_common import (  # noqa: E402
-    AUTO_FRACTION, CONFIGS, GIB, HERE, HOST_OFFLOAD, LABELS, MIB, MODELS, WEIGHT)
+    AUTO_FRACTION, CONFIGS, GIB, HERE, HOST_OFFLOAD, LABELS, MIB, MODELS, SIM_LINK_MB_PER_S,
+    WEIGHT)
 from llm_step_job import llama_config, run_job  # noqa: E402
 from llm_step_proc import STOP, host_ram_bytes, job_window, run_forked  # noqa: E402
 from llm_step_report import annotate, frontier, markdown, ok_rows, plot, summary  # noqa: E402
@@ -219,7 +221,8 @@ def job_spec(args, models, model_name, config, rows, link, host_ram, deadline):
                 seqs=m["seqs"], steps=args.steps, seed=args.seed, deadline=deadline,
                 deterministic=args.deterministic, skip={}, budgets={},
                 link_d2h_gbps=(link or {}).get("d2h_gbps"),
-                device_free=(link or {}).get("device_free"), host_limit_mb=host_limit)
+                device_free=(link or {}).get("device_free"), host_limit_mb=host_limit,
+                sim_link_mb_per_s=args.sim_link_mb_per_s)
     if config in AUTO_FRACTION:
         base = resident_estimate(rows, model_name, models)
         for seq in m["seqs"]:
@@ -246,7 +249,7 @@ def job_spec(args, models, model_name, config, rows, link, host_ram, deadline):
     return spec
 
 
-def write_outputs(args, meta, rows, models, configs, link, t0, final):
+def write_outputs(args, meta, rows, models, configs, t0, final):
     """llm_step.json and llm_step.md from the rows so far (after every job, so that a run cut
     short keeps them); at the end also the plot and the summary, printed last. Each part that
     fails (the plot without matplotlib, say) is reported, and the others are written all the
@@ -258,7 +261,8 @@ def write_outputs(args, meta, rows, models, configs, link, t0, final):
             traceback.print_exc()
             return f"no {what} ({type(error).__name__}: {str(error).strip()[:120]})"
 
-    front = attempt("frontier", lambda: (annotate(rows, models, link),
+    # The link the bounds use: measured on CUDA, the simulated device's as configured on sim.
+    front = attempt("frontier", lambda: (annotate(rows, models, meta.get("link")),
                                          frontier(rows, models, configs))[1])
     if isinstance(front, str):
         front = []
@@ -342,9 +346,16 @@ def parent(args):
                      f"the link's bandwidth not measured: {link.get('error')}")
         print(f"[{time.time() - t0:.0f} s] {link['device_name']}, "
               f"{link['device_total'] / GIB:.1f} GiB; {bandwidth}", flush=True)
+    elif args.sim_link_mb_per_s:
+        # The simulated device's copies take their bytes over this bandwidth: the bound is exact
+        # for the link, not measured.
+        gbps = args.sim_link_mb_per_s * MIB / 1e9
+        meta["link"] = {"sim_link_mb_per_s": args.sim_link_mb_per_s, "d2h_gbps": gbps,
+                        "h2d_gbps": gbps}
+        meta["device_name"] = "simulated device (host CPU)"
     else:
-        meta["link"] = {"reason": "n/a on the simulated device: Spillway exposes no API that "
-                                  "times its simulated copies, so no bound is given"}
+        meta["link"] = {"reason": "none: the simulated device's link is unlimited "
+                                  "(--sim-link-mb-per-s 0), so no bound is given"}
         meta["device_name"] = "simulated device (host CPU)"
     for item in args.capacity_mb or []:
         name, _, value = item.partition(":")
@@ -392,7 +403,7 @@ def parent(args):
         brief = ", ".join(f"{r['seq']}:{r['status']}" for r in got)
         print(f"[{time.time() - t0:.0f} s] {config} / {name}: {brief}"
               + (f" ({ended})" if ended else ""), flush=True)
-        write_outputs(args, meta, rows, models, configs, link, t0, final=False)
+        write_outputs(args, meta, rows, models, configs, t0, final=False)
     if STOP:
         meta["stopped"] = STOP["why"]
         print(f"[{time.time() - t0:.0f} s] llm_step: {STOP['why']}; writing what ran",
@@ -401,7 +412,7 @@ def parent(args):
             if not any(r["model"] == name and r["config"] == config for r in rows):
                 rows += [{"model": name, "config": config, "seq": seq, "status": "no_time",
                           "reason": STOP["why"]} for seq in models[name]["seqs"]]
-    write_outputs(args, meta, rows, models, configs, link, t0, final=True)
+    write_outputs(args, meta, rows, models, configs, t0, final=True)
     if STOP:
         sys.exit(124)
 
@@ -457,6 +468,10 @@ def main():
                         help="pinned host memory allowed: Spillway's host_limit_mb, and the "
                         "estimated activation bytes above which the host-offload peers skip a "
                         "length (their pinned pool can round up to twice that)")
+    parser.add_argument("--sim-link-mb-per-s", type=int, default=None,
+                        help="the simulated device's link to the host, MiB/s each way (its copies "
+                        f"take their bytes over it; 0: unlimited; default {SIM_LINK_MB_PER_S} on "
+                        "sim): the rows' bounds use it")
     parser.add_argument("--deterministic", choices=("strict", "warn", "off"), default="strict",
                         help="torch.use_deterministic_algorithms on CUDA (strict: the "
                         "flash-attention backward too, so that losses compare bitwise)")
@@ -476,6 +491,14 @@ def main():
     sim = args.device == "sim"
     if args.budget_s is None:
         args.budget_s = 60 if sim else 420
+    if args.sim_link_mb_per_s is None:
+        args.sim_link_mb_per_s = SIM_LINK_MB_PER_S if sim else 0
+    elif not sim:
+        parser.error("--sim-link-mb-per-s applies to --device sim only (on CUDA the link is "
+                     "measured)")
+    elif not 0 <= args.sim_link_mb_per_s <= 10_000_000:
+        parser.error("--sim-link-mb-per-s takes an integer from 0 to 10000000 (MiB/s; 0 = "
+                     "unlimited)")
     if args.min_job_s is None:
         args.min_job_s = 3 if sim else 25
     if args.grace_s is None:

@@ -31,6 +31,11 @@ CHECKPOINTED = ("checkpoint", "spillway_ckpt")
 # compiling costs minutes.
 WEIGHT = {"pytorch": 2.0, "spillway_eager": 1.5, "spillway_auto": 1.5, "compile_offload": 1.5}
 
+# The simulated device's link to the host, MiB/s each way (sim_link_mb_per_s): slow enough next
+# to one CPU thread's compute that the link binds, as PCIe does next to an H100's, so that the
+# bounds and stalls of the sim run mean something. Set from measurements: see docs/benchmarks.md.
+SIM_LINK_MB_PER_S = 256
+
 # The real models (CUDA, bf16) and their simulated-device analogues (fp32, tiny). "layers": "fill"
 # stacks decoder layers until weights, gradients and AdamW's two states take --fill of the GPU.
 MODELS = {

@@ -326,7 +326,8 @@ def run_job(spec, emit):
         import spillway
 
         if device == "sim":
-            spillway.install("sim", capacity_bytes=model_spec["capacity_mb"] * MIB)
+            spillway.install("sim", conf=f"sim_link_mb_per_s:{spec['sim_link_mb_per_s']}",
+                             capacity_bytes=model_spec["capacity_mb"] * MIB)
         else:
             # Spilled bytes are capped like the peers' lengths: host RAM is smaller than the GPU.
             spillway.install("cuda", conf=f"host_limit_mb:{spec['host_limit_mb']}")

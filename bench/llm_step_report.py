@@ -20,6 +20,18 @@ def flops_per_step(m, seq):
     return tokens * (6 * weights + 6 * m["layers"] * m["hidden_size"] * seq)
 
 
+def link_text(link):
+    """The link the bounds use, in words: measured on a GPU, or the simulated device's as
+    configured (its copies take their bytes over that bandwidth, allocator/sim_link.h)."""
+    if "sim_link_mb_per_s" in link:
+        return (f"the simulated device's, {link['sim_link_mb_per_s']} MiB/s each way "
+                f"(sim_link_mb_per_s; {link['d2h_gbps']:.3g} GB/s)")
+    if "d2h_gbps" in link:
+        return (f"pinned, {link['link_bytes'] / GIB:.0f} GiB copies, best of 5: "
+                f"D2H {link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} GB/s")
+    return link.get("reason") or link.get("error") or "not measured"
+
+
 def annotate(rows, models, link):
     """Adds to each row what is read against the reference: memory saved, step-time overhead,
     the losses' comparison, and the physical bound."""
@@ -117,12 +129,7 @@ def markdown(meta, rows, models, front):
                  f"{meta['budget_s']:.0f} s budget.")
     if meta.get("stopped"):
         lines.append(f"**Cut short**: {meta['stopped']}; the rows not run say no_time.")
-    link = meta.get("link") or {}
-    if "d2h_gbps" in link:
-        lines.append(f"Link (pinned, {link['link_bytes'] / GIB:.0f} GiB copies, best of 5): "
-                     f"D2H {link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} GB/s.")
-    else:
-        lines.append(f"Link: {link.get('reason') or link.get('error') or 'not measured'}.")
+    lines.append(f"Link: {link_text(meta.get('link') or {})}.")
     if sim:
         lines.append("On the simulated device the reference runs on Spillway's allocator (it is "
                      "the device) without offload; step times are the host CPU's, and say "
@@ -243,10 +250,7 @@ def summary(meta, rows, models, front):
     unit, scale = ("MiB", MIB) if sim else ("GiB", GIB)
     out = [f"llm_step summary: {meta['device_name']}, {meta['elapsed_s']:.0f} s"
            + (f" (cut short: {meta['stopped']})" if meta.get("stopped") else "")]
-    link = meta.get("link") or {}
-    out.append(f"link: D2H {link['d2h_gbps']:.1f} GB/s, H2D {link['h2d_gbps']:.1f} GB/s"
-               if "d2h_gbps" in link else
-               f"link: {link.get('reason') or link.get('error') or 'n/a'}")
+    out.append(f"link: {link_text(meta.get('link') or {})}")
     for name in models:
         ref = ok_rows(rows, name, "pytorch")
         if not ref:

@@ -211,7 +211,8 @@ TEST(ConfigTest, FractionsUpToOneRejectOutOfRange) {
 TEST(ConfigTest, EverySpillwayKeyHappyPath) {
   const Config config = ParseOk(
       "backend:spillway,device:sim,capacity_mb:2048,sim_devices:16,sim_jitter_us:250,"
-      "memory_limit_mb:512,history_entries:10000000,offload:eager,offload_budget_mb:300,offload_"
+      "sim_link_mb_per_s:10000000,memory_limit_mb:512,history_entries:10000000,offload:eager,"
+      "offload_budget_mb:300,offload_"
       "budget_fraction:0.5,"
       "offload_min_kb:64,prefetch_mb:0,host_limit_mb:4096");
   EXPECT_TRUE(config.backend_spillway);
@@ -219,6 +220,7 @@ TEST(ConfigTest, EverySpillwayKeyHappyPath) {
   EXPECT_EQ(config.sim_capacity_bytes, 2048 * kMiB);
   EXPECT_EQ(config.sim_devices, 16);
   EXPECT_EQ(config.sim_max_jitter, std::chrono::microseconds(250));
+  EXPECT_EQ(config.sim_link_bytes_per_second, 10'000'000 * kMiB);
   EXPECT_EQ(config.allocator.memory_limit_bytes, 512 * kMiB);
   EXPECT_EQ(config.allocator.history_entries, 10000000u);
   EXPECT_EQ(config.offload.policy, OffloadPolicy::kEager);
@@ -238,6 +240,9 @@ TEST(ConfigTest, IntegerRanges) {
   ExpectRejected("sim_devices:17", {"'sim_devices'", "from 1 to 16"});
   ExpectRejected("sim_jitter_us:-1", {"'sim_jitter_us'", "from 0 to 1000000"});
   ExpectRejected("sim_jitter_us:1000001", {"'sim_jitter_us'", "from 0 to 1000000"});
+  ExpectRejected("sim_link_mb_per_s:-1", {"'sim_link_mb_per_s'", "from 0 to 10000000 (MiB/s"});
+  ExpectRejected("sim_link_mb_per_s:10000001", {"'sim_link_mb_per_s'", "0 = unlimited"});
+  ExpectRejected("sim_link_mb_per_s:1.5", {"'sim_link_mb_per_s'", "from 0 to 10000000"});
   ExpectRejected("history_entries:0", {"'history_entries'", "from 1 to 10000000"});
   ExpectRejected("history_entries:10000001", {"from 1 to 10000000"});
   ExpectRejected("capacity_mb:0", {"'capacity_mb'", "positive integer (MiB)"});
@@ -280,7 +285,7 @@ TEST(ConfigTest, KeyListsAreDisjointAndComplete) {
   EXPECT_EQ(PytorchKeys(), (std::vector<std::string_view>{
                                "max_split_size_mb", "roundup_power2_divisions",
                                "garbage_collection_threshold", "per_process_memory_fraction"}));
-  EXPECT_EQ(SpillwayKeys().size(), 13u);
+  EXPECT_EQ(SpillwayKeys().size(), 14u);
   EXPECT_EQ(SpillwayKeys().front(), "backend");
   for (std::string_view key : SpillwayKeys()) {
     EXPECT_EQ(std::find(PytorchKeys().begin(), PytorchKeys().end(), key), PytorchKeys().end())
@@ -549,12 +554,19 @@ TEST(OffloadPolicyNameTest, NamesMatchConfigValues) {
 
 TEST(ConfigTest, TheSimulatedDeviceTakesItsSettings) {
   const std::shared_ptr<Backend> backend =
-      MakeBackend(ParseOk("device:sim,capacity_mb:64,sim_devices:2,sim_jitter_us:250"));
+      MakeBackend(ParseOk("device:sim,capacity_mb:64,sim_devices:2,sim_jitter_us:250,"
+                          "sim_link_mb_per_s:3000"));
   const auto* sim = dynamic_cast<const SimBackend*>(backend.get());
   ASSERT_NE(sim, nullptr);
   EXPECT_EQ(sim->options().capacity_bytes, 64 * kMiB);
   EXPECT_EQ(sim->options().devices, 2);
   EXPECT_EQ(sim->options().max_jitter, std::chrono::microseconds(250));
+  EXPECT_EQ(sim->options().link_bytes_per_second, 3000 * kMiB);
+  // Unlimited unless asked for: copies take what a memcpy takes.
+  EXPECT_EQ(dynamic_cast<const SimBackend&>(*MakeBackend(ParseOk("device:sim")))
+                .options()
+                .link_bytes_per_second,
+            0u);
 }
 
 }  // namespace

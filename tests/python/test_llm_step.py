@@ -66,12 +66,23 @@ def test_llm_step_on_the_simulated_device(tmp_path):
                     assert r["losses"] == reference[r["seq"]]["losses"], (model, config, r["seq"])
                     assert r["losses_vs_reference"] == "bitwise equal"
     # Every Spillway configuration spilled (auto's default budget only where it has to: past
-    # the reference's frontier), and said how long it stalled.
+    # the reference's frontier), and said how long it stalled. The simulated device's link has
+    # its default bandwidth, and each row that moved bytes has its bound against it.
+    link = data["meta"]["link"]
+    assert link["sim_link_mb_per_s"] == bench.SIM_LINK_MB_PER_S
+    assert link["d2h_gbps"] == link["h2d_gbps"] == bench.SIM_LINK_MB_PER_S * bench.MIB / 1e9
     for config in bench.SPILLWAY:
         spilled = [r for r in rows if r["config"] == config and r["status"] == "ok"
                    and r.get("to_host_per_step", 0) > 0]
         assert spilled, config
         assert all("stall_per_step_s" in r for r in spilled)
+        for r in spilled:
+            if "bound" not in r:  # a length past every trained reference length is FLOPs-scaled
+                continue
+            assert r["bound"]["d2h_s"] == pytest.approx(
+                r["to_host_per_step"] / (bench.SIM_LINK_MB_PER_S * bench.MIB))
+            assert r["step_over_bound"] == pytest.approx(r["median_step_s"] / r["bound"]["bound_s"])
+        assert any("bound" in r for r in spilled), config
     # The frontier: the reference ran out of memory within the lengths tried, and Spillway
     # trained a longer length than it on some model.
     front = {(e["model"], e["config"]): e for e in data["frontier"]}
@@ -90,6 +101,28 @@ def test_llm_step_on_the_simulated_device(tmp_path):
     assert "Out-of-memory frontier" in table and "| Spillway eager |" in table
     # The summary comes last.
     assert "OOM frontier" in result.stdout.split("llm_step summary")[-1]
+
+
+@pytest.mark.models
+def test_the_simulated_link_holds_copies_to_its_bandwidth(tmp_path):
+    # At 16 MiB/s the link, not the CPU, sets eager's step time: each step's bytes to the host
+    # take longer to cross than the whole step takes with an unlimited link. Without the link
+    # model the step would be several times shorter than its bytes' crossing time.
+    result = run_bench(tmp_path, "--budget-s", "60", "--configs", "pytorch", "spillway_eager",
+                       "--models", "llama-w4096", "--seqs", "llama-w4096:64",
+                       "--sim-link-mb-per-s", "16", "--min-job-s", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads((tmp_path / "llm_step.json").read_text())
+    assert data["meta"]["link"]["sim_link_mb_per_s"] == 16
+    [eager] = [r for r in data["rows"] if r["config"] == "spillway_eager"]
+    assert eager["status"] == "ok" and eager["losses_vs_reference"] == "bitwise equal", eager
+    crossing = eager["to_host_per_step"] / (16 * (1 << 20))
+    assert crossing > 2 * eager["bound"]["compute_s"], eager
+    assert eager["median_step_s"] >= crossing, eager
+    assert eager["bound"]["bound_s"] == pytest.approx(
+        max(crossing, eager["to_device_per_step"] / (16 * (1 << 20))))
+    summary = result.stdout.split("llm_step summary")[-1]
+    assert "the simulated device's, 16 MiB/s each way" in summary
 
 
 def test_physical_bound_and_losses_against_the_reference():
@@ -391,7 +424,7 @@ def test_cuda_job_spec_caps_the_peers_by_host_memory():
     llm_step, _ = load_parts()
     gib = 1 << 30
     args = types.SimpleNamespace(device="cuda", steps=3, seed=0, deterministic="strict",
-                                 host_fraction=0.3)
+                                 host_fraction=0.3, sim_link_mb_per_s=0)
     models = {"m": dict(params=8 * gib, dtype_bytes=2, seqs=[1024, 2048], layers=4)}
     link = {"device_total": 80 * gib, "device_free": 79 * gib, "d2h_gbps": 50.0}
     rows = [dict(model="m", config="spillway_eager", seq=1024, status="ok",
