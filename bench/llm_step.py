@@ -346,17 +346,15 @@ def parent(args):
                      f"the link's bandwidth not measured: {link.get('error')}")
         print(f"[{time.time() - t0:.0f} s] {link['device_name']}, "
               f"{link['device_total'] / GIB:.1f} GiB; {bandwidth}", flush=True)
-    elif args.sim_link_mb_per_s:
+    else:
+        meta["device_name"] = "simulated device (host CPU)"
         # The simulated device's copies take their bytes over this bandwidth: the bound is exact
         # for the link, not measured.
         gbps = args.sim_link_mb_per_s * MIB / 1e9
-        meta["link"] = {"sim_link_mb_per_s": args.sim_link_mb_per_s, "d2h_gbps": gbps,
-                        "h2d_gbps": gbps}
-        meta["device_name"] = "simulated device (host CPU)"
-    else:
-        meta["link"] = {"reason": "none: the simulated device's link is unlimited "
-                                  "(--sim-link-mb-per-s 0), so no bound is given"}
-        meta["device_name"] = "simulated device (host CPU)"
+        meta["link"] = ({"sim_link_mb_per_s": args.sim_link_mb_per_s, "d2h_gbps": gbps,
+                         "h2d_gbps": gbps} if gbps else
+                        {"reason": "none: the simulated device's link is unlimited "
+                                   "(--sim-link-mb-per-s 0), so no bound is given"})
     for item in args.capacity_mb or []:
         name, _, value = item.partition(":")
         if name in models:

@@ -212,9 +212,8 @@ TEST(ConfigTest, EverySpillwayKeyHappyPath) {
   const Config config = ParseOk(
       "backend:spillway,device:sim,capacity_mb:2048,sim_devices:16,sim_jitter_us:250,"
       "sim_link_mb_per_s:10000000,memory_limit_mb:512,history_entries:10000000,offload:eager,"
-      "offload_budget_mb:300,offload_"
-      "budget_fraction:0.5,"
-      "offload_min_kb:64,prefetch_mb:0,host_limit_mb:4096");
+      "offload_budget_mb:300,offload_budget_fraction:0.5,offload_min_kb:64,prefetch_mb:0,"
+      "host_limit_mb:4096");
   EXPECT_TRUE(config.backend_spillway);
   EXPECT_EQ(config.device, DeviceKind::kSim);
   EXPECT_EQ(config.sim_capacity_bytes, 2048 * kMiB);
