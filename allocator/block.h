@@ -44,6 +44,10 @@ struct BlockExtras {
   TraceContext context;                              // gathered at its allocation
   TraceCategory category = TraceCategory::kUnknown;  // see DeviceAllocator::SetTraceCategory
   int32_t event_count = 0;                           // stream-use events still pending after a free
+  // Set by DeviceAllocator::TagForRevival, unique per device, 0 when none: names this allocation,
+  // so that its free, while pending, is taken back by its owner and by nobody else (Revive).
+  // Cleared when the free completes or the allocation is taken back.
+  uint64_t revive_tag = 0;
 };
 
 // A contiguous range of one segment. A segment starts as one block and is split and re-merged;

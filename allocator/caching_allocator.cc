@@ -181,6 +181,14 @@ void CachingAllocator::RecordStreamOf(void* ptr, StreamRef stream,
       "record_stream: %p is not a live allocation of Spillway (freed already, or foreign)", ptr));
 }
 
+uint64_t CachingAllocator::TagForRevival(const void* ptr, int device) {
+  return At(device).TagForRevival(ptr);
+}
+
+bool CachingAllocator::Revive(void* ptr, int device, uint64_t tag) {
+  return At(device).Revive(ptr, tag, GatherContext());
+}
+
 std::optional<AllocationInfo> CachingAllocator::Lookup(const void* ptr) const {
   std::optional<AllocationInfo> info;
   FindOwner([&](const DeviceAllocator& device) { return (info = device.Lookup(ptr)).has_value(); });

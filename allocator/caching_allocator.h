@@ -76,6 +76,15 @@ class CachingAllocator {
   // InvalidArgumentError for a pointer that is not a live allocation or a bad device index.
   void RecordStream(void* ptr, StreamRef stream);
   void RecordStream(void* ptr, StreamRef stream, int stream_device);
+  // Names the live allocation at `ptr` of `device` so that its free, while still pending (a stream
+  // that used it is not done), can be taken back by Revive with the returned tag (0: `ptr` is not
+  // a live allocation there). The offload engine's: a spill still copying to the host when
+  // backward wants its storage keeps its device copy instead of a round trip
+  // (DeviceAllocator::TagForRevival, Revive).
+  uint64_t TagForRevival(const void* ptr, int device);
+  // The allocation tagged `tag`, freed at `ptr` while a stream still used it, live again; false
+  // when its free is no longer pending.
+  bool Revive(void* ptr, int device, uint64_t tag);
   std::optional<AllocationInfo> Lookup(const void* ptr) const;
   // What the layers above learned the live allocation at `ptr` holds (see TraceCategory): raises
   // its category, while history is recorded (nothing otherwise: no lookup). A pointer that is no

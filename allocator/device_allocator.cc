@@ -347,7 +347,7 @@ bool DeviceAllocator::Free(void* ptr, TraceContext context) {
       if (!WaitOnHost(device_, use)) quarantine = true;
       continue;
     }
-    pending_[use.id].push_back(Pending{event, id});
+    pending_[use.id].push_back(Pending{event, id, use.handle});
     AddPendingEvent(id);
   }
   if (quarantine) {
@@ -384,6 +384,7 @@ void DeviceAllocator::FreeBlock(BlockId id) {
     BlockExtras& extras = arena_.mutable_extras(id);
     extras.context.reset();
     extras.category = TraceCategory::kUnknown;
+    extras.revive_tag = 0;  // the allocation is over: nobody may take this memory back now
   }
 
   int64_t net_split_blocks = 0;

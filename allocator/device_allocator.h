@@ -123,6 +123,20 @@ class DeviceAllocator {
   // stream of another device, the free waits for it on the host). Returns false when `ptr` is not
   // a live allocation here.
   bool RecordStream(void* ptr, StreamRef stream, int stream_device);
+  // Names the live allocation at `ptr` for Revive: a tag unique on this device (never 0), or 0
+  // when `ptr` is not a live allocation here. Tagging it again replaces the tag.
+  uint64_t TagForRevival(const void* ptr);
+  // Takes back a block freed while its stream uses were still running: the pending free at `ptr`
+  // of the allocation tagged `tag` becomes a live allocation again, as it was (address, size,
+  // stream, requested size), with its stream uses recorded anew, so that its next free waits for
+  // them again. Its pending events go back to the spares: the work they stood for is awaited
+  // again by that next free. False (nothing changed) when there is no such pending free: its
+  // free completed (the memory may be another allocation's by now, even one pending at the same
+  // address: the tag tells them apart), it was quarantined (a use that can never be waited for),
+  // or it was taken back already. The history records it as the free completed and an
+  // allocation (`context`), so that snapshots replay. For the offload engine: a spill whose copy
+  // to the host has not finished, wanted back.
+  bool Revive(void* ptr, uint64_t tag, TraceContext context);
   std::optional<AllocationInfo> Lookup(const void* ptr) const;
   // Raises the category of the live allocation at `ptr` to `category` (see TraceCategory); its
   // free's trace entries and the snapshot's block carry it. (CachingAllocator asks only while
@@ -181,6 +195,7 @@ class DeviceAllocator {
   struct Pending {
     EventHandle event;
     BlockId block;
+    StreamHandle use;  // the stream the event was recorded on (pending_'s key is its id)
   };
   struct Segment {
     size_t size;
@@ -312,6 +327,7 @@ class DeviceAllocator {
   // Guarded by mutex_, as everything here (relaxed atomic loads: plain loads, no cost).
   std::atomic<size_t> soft_limit_{std::numeric_limits<size_t>::max()};
   double soft_limit_fraction_ = 0.0;  // 0: soft_limit_ is in bytes as set
+  uint64_t revive_tags_ = 0;          // the last tag TagForRevival gave
 };
 
 }  // namespace spillway

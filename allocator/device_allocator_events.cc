@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "allocator/device_allocator.h"
 #include "allocator/errors.h"
 
@@ -100,6 +101,79 @@ BlockId DeviceAllocator::AwaitPendingUntilFit(PoolKind kind, StreamRef stream, s
   }
   if (host_waited) ++stats_.num_sync_all_streams;
   return found;
+}
+
+uint64_t DeviceAllocator::TagForRevival(const void* ptr) {
+  std::lock_guard lock(mutex_);
+  const BlockId id = allocated_.Find(reinterpret_cast<uintptr_t>(ptr), AddressOf());
+  if (id == kNoBlock) return 0;
+  arena_.mutable_extras(id).revive_tag = ++revive_tags_;
+  return revive_tags_;
+}
+
+bool DeviceAllocator::Revive(void* ptr, uint64_t tag, TraceContext context) {
+  std::lock_guard lock(mutex_);
+  if (tag == 0) return false;
+  const auto address = reinterpret_cast<uintptr_t>(ptr);
+  // A pending block keeps its address and size (nothing merges with it until it is freed), and
+  // its events are in the queues of the streams that used it: a scan of what is pending, which
+  // only a take-back pays for. Another allocation's block may be pending at the same address
+  // (this one's free completed early, its memory was reused and freed again): the tag says which.
+  BlockId id = kNoBlock;
+  int32_t queued = 0;
+  for (const auto& [stream, queue] : pending_) {
+    for (const Pending& entry : queue) {
+      if (arena_[entry.block].ptr != address) continue;
+      if (arena_.mutable_extras(entry.block).revive_tag != tag) return false;
+      id = entry.block;
+      ++queued;
+    }
+  }
+  if (id == kNoBlock) return false;
+  // More events counted than queued: quarantined (see Free), never to be reused, nor taken back.
+  if (arena_[id].allocated || arena_.mutable_extras(id).event_count != queued) return false;
+  absl::InlinedVector<StreamRef, 1> uses;
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    std::deque<Pending>& queue = it->second;
+    for (auto entry = queue.begin(); entry != queue.end();) {
+      if (entry->block != id) {
+        ++entry;
+        continue;
+      }
+      // The work the event stands for is awaited again by the block's next free, which records
+      // a new event on the same stream: this one can be recorded again.
+      uses.push_back(StreamRef{entry->use, it->first});
+      spare_events_.push_back(entry->event);
+      entry = queue.erase(entry);
+    }
+    if (queue.empty()) {
+      pending_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  BlockExtras& extras = arena_.mutable_extras(id);
+  extras.event_count = 0;
+  extras.revive_tag = 0;  // taken back once: the owner tags it again should it spill again
+  extras.stream_uses = std::move(uses);
+  Block& block = arena_[id];
+  block.pending = false;
+  // To the history the free completed and the same memory was allocated again: PyTorch's viewer
+  // replays the trace with no other kind of entry.
+  TraceBlock(TraceAction::kFreeCompleted, id, nullptr);
+  extras.context.reset();
+  extras.category = TraceCategory::kUnknown;
+  block.allocated = true;
+  if (context != nullptr) extras.context = context;
+  allocated_.Insert(block.ptr, id);
+  // As Malloc counts an allocation; `active` and `requested` never stopped counting it (a
+  // pending free is active until it completes).
+  const auto bytes = static_cast<int64_t>(block.size());
+  stats_.allocation.Increase(block.pool, 1);
+  stats_.allocated_bytes.Increase(block.pool, bytes);
+  if (policy_.IsOversize(block.size())) stats_.oversize_allocations.Increase(1);
+  TraceBlock(TraceAction::kAlloc, id, std::move(context));
+  return true;
 }
 
 bool DeviceAllocator::SynchronizeAllEvents() {

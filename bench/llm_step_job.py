@@ -522,11 +522,12 @@ def train_length(torch, model, spec, seq, dev, config, make_peer, budget, min_by
         if config in SPILLWAY:
             s = stats()
             return (s["spillway.bytes_to_host"], s["spillway.bytes_to_device"],
-                    s["spillway.stall_us"] / 1e6, s["spillway.num_spills"])
+                    s["spillway.stall_us"] / 1e6, s["spillway.num_spills"],
+                    s["spillway.bytes_taken_back"])
         if make_peer is not None and "pair" in holder:
             c = holder["pair"][1]
-            return (c.to_host, c.to_device, None, None)
-        return (None, None, None, None)
+            return (c.to_host, c.to_device, None, None, None)
+        return (None, None, None, None, None)
 
     losses, times, bases = [], [], []
     before = None
@@ -563,13 +564,15 @@ def train_length(torch, model, spec, seq, dev, config, make_peer, budget, min_by
         tokens_per_s=batch * seq / median, peak_allocated=s["allocated_bytes.all.peak"],
         peak_reserved=s["reserved_bytes.all.peak"], base_allocated=bases[-1])
     if steps == 1:
-        before = (0, 0, 0.0, 0) if after[0] is not None else (None,) * 4
+        before = (0, 0, 0.0, 0, 0) if after[0] is not None else (None,) * 5
     if after[0] is not None and before[0] is not None:
         result["to_host_per_step"] = (after[0] - before[0]) / n
         result["to_device_per_step"] = (after[1] - before[1]) / n
     if after[2] is not None and before[2] is not None:
         result["stall_per_step_s"] = (after[2] - before[2]) / n
         result["spills_per_step"] = (after[3] - before[3]) / n
+        # Spills still copying when backward wanted them, kept on the device (no copy back).
+        result["taken_back_per_step"] = (after[4] - before[4]) / n
     if config in SPILLWAY:
         result["budget"] = budget if budget is not None else (
             spillway.budget_bytes() if config.startswith("spillway_auto") else None)

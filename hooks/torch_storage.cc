@@ -77,4 +77,16 @@ void* TorchStorage::allocate_device_memory(StreamRef /*stream*/) {
   return ptr;
 }
 
+bool TorchStorage::adopt_device_memory(void* ptr) {
+  // The DataPtr the storage's allocator would have made for this block: its deleter hands it
+  // back to Spillway's allocator (both of Spillway's c10 allocators make them so).
+  const c10::Allocator* allocator = storage_.unsafeGetStorageImpl()->allocator();
+  if (allocator == nullptr || allocator->raw_deleter() == nullptr) return false;
+  // Saved for backward again: its bytes never left (categories are set on the new allocation).
+  Runtime::Get().allocator().SetTraceCategory(ptr, TraceCategory::kSavedForBackward);
+  storage_.unsafeGetStorageImpl()->set_data_ptr_noswap(
+      c10::DataPtr(ptr, ptr, allocator->raw_deleter(), storage_.device()));
+  return true;
+}
+
 }  // namespace spillway::torch_layer

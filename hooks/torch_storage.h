@@ -44,6 +44,7 @@ class TorchStorage final : public Storage {
   int64_t external_holders() const override { return Holders(storage_.unsafeGetStorageImpl()) - 1; }
   void drop_device_memory() override;
   void* allocate_device_memory(StreamRef stream) override;
+  bool adopt_device_memory(void* ptr) override;
 
   const c10::Storage& storage() const { return storage_; }
 

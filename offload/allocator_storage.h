@@ -37,6 +37,10 @@ class AllocatorStorage : public Storage {
     ptr_ = allocator_.Malloc(nbytes_, device_, stream);
     return ptr_;
   }
+  bool adopt_device_memory(void* ptr) override {
+    ptr_ = ptr;
+    return true;
+  }
 
   // Holders besides the engine: the "program" still using the storage.
   std::atomic<int64_t> holders;

@@ -210,6 +210,7 @@ void OffloadEngine::Refresh(Entry& e, bool wait) {
   if (!CopyDone(e, e.copy_done, e.state, wait)) return;
   if (e.state == Residency::kSpilling) {
     e.state = Residency::kSpilled;
+    e.spilled_block = nullptr;  // reusable from now on: not the entry's to take back
     return;
   }
   e.state = Residency::kResident;
@@ -306,6 +307,7 @@ OffloadEngine::SpillResult OffloadEngine::Spill(Entry& e) {
   // must be able to fail this entry too.
   e.host = *host;
   e.state = Residency::kSpilling;
+  e.spilled_block = device_ptr;
   e.errors_found_before_copy = errors_found_before;
   table_.ListOffloaded(e);
   e.acquired = false;
@@ -316,14 +318,44 @@ OffloadEngine::SpillResult OffloadEngine::Spill(Entry& e) {
   CountSpilled(e, true);
   stats_.host_bytes.Increase(static_cast<int64_t>(e.nbytes));
   Note(OffloadEvent::Kind::kSpill, e);
-  // Reuse of the device block waits for the copy: one stream use, then the free.
+  // Reuse of the device block waits for the copy: one stream use, then the free; tagged, so that
+  // the engine can take it back while it waits (TakeBack).
   allocator_.RecordStream(device_ptr, d2h);
+  e.spilled_tag = allocator_.TagForRevival(device_ptr, e.device);
   e.storage->drop_device_memory();
   e.skipped_for = {};
   return {SpillOutcome::kSpilled, info->size};
 }
 
+bool OffloadEngine::TakeBack(Entry& e) {
+  // The allocator gives the block back only while the spill's free of it is pending, and only
+  // that allocation's (the tag): the memory at that address may be another's by now, the
+  // allocator having freed it early for a stream ordered after the copy.
+  if (!take_back_ || e.state != Residency::kSpilling || e.spilled_block == nullptr) return false;
+  const StreamRef d2h = copies_.stream(e.device, Residency::kSpilling);
+  void* const block = e.spilled_block;
+  if (!allocator_.Revive(block, e.device, e.spilled_tag)) return false;
+  if (!e.storage->adopt_device_memory(block)) {
+    // Its stream uses were recorded again: freed, it waits for the copy as it did before.
+    allocator_.Free(block);
+    return false;
+  }
+  // The copy runs on, reading the block and writing the host buffer: the buffer goes back to the
+  // pool once the copy stream has passed it, and the block's next free waits for that stream
+  // (Revive recorded its use again). Resident from here, the entry is no copy's any more: a
+  // failure of that copy (FailInFlight) loses nothing of it.
+  ReleaseHost(e, d2h);
+  e.spilled_block = nullptr;
+  e.state = Residency::kResident;
+  CountSpilled(e, false);
+  Note(OffloadEvent::Kind::kTakenBack, e);
+  ++stats_.num_taken_back;
+  stats_.bytes_taken_back += static_cast<int64_t>(e.nbytes);
+  return true;
+}
+
 bool OffloadEngine::Reload(EngineLock& lock, Entry& e, StreamRef consumer, bool prefetch) {
+  if (TakeBack(e)) return true;
   // The memory is allocated with the engine's lock released: the allocation may run the
   // allocator's budget handler and out-of-memory rescue, which take the lock as any caller does
   // (and, for a prefetch's speculative allocation, do nothing). Meanwhile the entry is
@@ -406,6 +438,7 @@ void OffloadEngine::IssueReload(Entry& e, void* ptr, StreamRef consumer) {
     e.storage->drop_device_memory();
     throw;
   }
+  e.spilled_block = nullptr;  // the copy to the device is the entry's now
   if (after_spill) {
     e.spill_done = e.copy_done;
     e.copy_done = reload_done;
@@ -441,7 +474,7 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
     case Residency::kSpilling:
     case Residency::kSpilled:
       Reload(lock, e, consumer, /*prefetch=*/false);
-      StartStall(e);
+      if (e.state == Residency::kReloading) StartStall(e);  // not when taken back (TakeBack)
       break;
     case Residency::kReloading:
       StartStall(e);  // prefetched (or acquired through another view), but not finished yet

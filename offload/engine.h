@@ -71,7 +71,7 @@ namespace spillway {
 
 // One change of spilled bytes, for timelines (spillway.report).
 struct OffloadEvent {
-  enum class Kind { kSpill, kReload, kDropSpilled, kFailed, kPrefetchGivenBack };
+  enum class Kind { kSpill, kReload, kDropSpilled, kFailed, kPrefetchGivenBack, kTakenBack };
   int64_t time_us = 0;
   Kind kind = Kind::kSpill;
   int device = 0;
@@ -183,6 +183,9 @@ class OffloadEngine {
   // Testing only: skips the consumer's wait on reload-done, the one wait whose absence corrupts
   // data silently. The integrity tests turn it on to prove they catch it.
   void set_skip_consumer_wait_for_testing(bool skip) { skip_consumer_wait_ = skip; }
+  // Testing only: reloads a storage still spilling after its copy to the host, as when the
+  // allocator cannot give its block back (TakeBack refused), so that tests reach that path.
+  void set_take_back_for_testing(bool take_back) { take_back_ = take_back; }
   // Testing only: the engine's copy streams on `device`, so a test can hold or watch them.
   StreamRef h2d_stream_for_testing(int device);
   StreamRef d2h_stream_for_testing(int device);
@@ -242,6 +245,13 @@ class OffloadEngine {
   // released, then its copy issued. A prefetch's allocation is speculative. False when the entry
   // went meanwhile (a prefetch's: its last keeper went on another thread); throws as Acquire.
   bool Reload(EngineLock& lock, Entry& e, StreamRef consumer, bool prefetch);
+  // A spill whose copy to the host has not finished (as Refresh found under this hold of the
+  // lock) is wanted back: its device block, which the allocator cannot reuse before that copy
+  // has read it, becomes the storage's memory again, and the entry is resident with no copy at
+  // all (the copy runs on, into a host buffer freed after it). Without this, backward's first
+  // reads wait for the whole queue of copies to the host and then copy the bytes back: a round
+  // trip. False when the allocator no longer has the block to give (then Reload copies).
+  bool TakeBack(Entry& e);
   void IssueReload(Entry& e, void* ptr, StreamRef consumer);
   // Gives up the entry's host copy and any copy in flight (the storage keeps its device memory).
   void DiscardCopies(Entry& e);
@@ -321,6 +331,7 @@ class OffloadEngine {
   // acted on: one can be told more than once, and acting twice would fail later, healthy copies.
   absl::flat_hash_map<int, uint64_t> stream_errors_acted_on_;
   bool skip_consumer_wait_ = false;
+  bool take_back_ = true;
   OffloadStats stats_;
   static constexpr size_t kMaxEvents = 1 << 16;
   std::deque<OffloadEvent> events_;

@@ -85,6 +85,8 @@ std::string_view OffloadEventName(OffloadEvent::Kind kind) {
       return "failed";
     case OffloadEvent::Kind::kPrefetchGivenBack:
       return "prefetch_given_back";
+    case OffloadEvent::Kind::kTakenBack:
+      return "taken_back";
   }
   return "unknown";
 }

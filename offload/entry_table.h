@@ -103,6 +103,12 @@ struct Entry {
   // Reloaded while still spilling: the D2H copy the reload reads from, until seen complete. Its
   // failure fails the entry although it is reloading by then (FailInFlight).
   EventHandle spill_done = nullptr;
+  // Spilling: the device block the spill gave up and the allocator's tag of that allocation
+  // (CachingAllocator::TagForRevival); the allocator keeps the block from reuse until the copy
+  // has read it. Backward asking for the storage before then takes it back rather than reloading
+  // it (OffloadEngine::TakeBack). Null otherwise.
+  void* spilled_block = nullptr;
+  uint64_t spilled_tag = 0;
   // How many stream errors the device's allocator had found (CachingAllocator::StreamErrorsFound)
   // just before the latest copy (and the spill_done copy) was enqueued: a failure it found
   // later, and passed on, may be that copy's; one it found before was an earlier copy's.

@@ -18,6 +18,8 @@ std::map<std::string, int64_t> OffloadStats::Flatten() const {
       {"stall_us", stall_us},
       {"bytes_to_host", bytes_to_host},
       {"bytes_to_device", bytes_to_device},
+      {"num_taken_back", num_taken_back},
+      {"bytes_taken_back", bytes_taken_back},
   };
   for (std::string_view reason : {kSkipSmall, kSkipNoPinned, kSkipHostLimit, kSkipForeign,
                                   kSkipEmpty, kSkipCopyError, kSkipResized}) {

@@ -33,6 +33,10 @@ struct OffloadStats {
   int64_t stall_us = 0;           // upper bound of that wait (host time until seen complete)
   int64_t bytes_to_host = 0;
   int64_t bytes_to_device = 0;
+  // Spills still copying to the host when backward wanted them: their device blocks were taken
+  // back (no copy to the device), and their bytes.
+  int64_t num_taken_back = 0;
+  int64_t bytes_taken_back = 0;
   std::map<std::string, int64_t, std::less<>> skipped;
 
   // Keys without the `spillway.` prefix: "spilled_bytes.current", "num_spills", "skipped.small".

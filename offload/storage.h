@@ -38,6 +38,12 @@ class Storage {
   // pointer the engine allocated) so that the memory carries whatever deleter the storage's
   // framework expects. Throws OutOfMemoryError when the allocator cannot serve it.
   virtual void* allocate_device_memory(StreamRef stream) = 0;
+  // Installs `ptr` as this storage's memory again: the block it gave up (drop_device_memory),
+  // which Spillway's allocator took back as a live allocation of its size before reusing it
+  // (CachingAllocator::Revive). The storage owns it from here, with the deleter its framework
+  // expects. False, changing nothing, when the storage cannot own memory it did not allocate
+  // itself: the caller frees `ptr` then.
+  virtual bool adopt_device_memory(void* ptr) = 0;
 };
 
 }  // namespace spillway

@@ -89,10 +89,11 @@ def _lane_svg(title, peaks, line, t_end, fill):
 def storage_rows(snapshot, device):
     """Per storage entry with offload events on `device`: a dict of its `entry`, the `bytes` it
     spilled (the largest of its events), counts of each event kind (`spill`, `reload`,
-    `prefetch_given_back`, `drop_spilled`, `failed`), `first_spill_s` and `last_reload_s`
-    (seconds from the timeline's start, None if none) and its `residency` at the snapshot
-    ("released" once the engine no longer holds it). Largest first. The engine names a storage
-    by its address, which a later storage may take over: their events then share a row."""
+    `taken_back`, `prefetch_given_back`, `drop_spilled`, `failed`), `first_spill_s` and
+    `last_reload_s` (seconds from the timeline's start, None if none; a take-back counts as a
+    reload there) and its `residency` at the snapshot ("released" once the engine no longer holds
+    it). Largest first. The engine names a storage by its address, which a later storage may take
+    over: their events then share a row."""
     section = snapshot.get("spillway", {})
     live = {e["entry"]: e for e in section.get("entries", [])}
     t0 = series(snapshot, device)["t0_us"]
@@ -101,7 +102,8 @@ def storage_rows(snapshot, device):
         if e.get("device", 0) != device or e["time_us"] < t0:
             continue  # another device's, or from before the recorded history (see series)
         row = rows.setdefault(e["entry"], {
-            "entry": e["entry"], "bytes": 0, "spill": 0, "reload": 0, "prefetch_given_back": 0,
+            "entry": e["entry"], "bytes": 0, "spill": 0, "reload": 0, "taken_back": 0,
+            "prefetch_given_back": 0,
             "drop_spilled": 0, "failed": 0, "first_spill_s": None, "last_reload_s": None})
         row["bytes"] = max(row["bytes"], e["bytes"])
         if e["action"] in row:
@@ -109,7 +111,7 @@ def storage_rows(snapshot, device):
         seconds = (e["time_us"] - t0) / 1e6
         if e["action"] == "spill" and row["first_spill_s"] is None:
             row["first_spill_s"] = seconds
-        if e["action"] == "reload":
+        if e["action"] in ("reload", "taken_back"):
             row["last_reload_s"] = seconds
     for row in rows.values():
         entry = live.get(row["entry"])
@@ -224,11 +226,12 @@ def html_report(snapshot, name, device=None):
             first = "" if r["first_spill_s"] is None else f"{r['first_spill_s']:.3f} s"
             last = "" if r["last_reload_s"] is None else f"{r['last_reload_s']:.3f} s"
             storage_cells.append([f"{r['entry']:#x}", _mib(r["bytes"]), r["spill"], r["reload"],
-                                  r["prefetch_given_back"], r["drop_spilled"], r["failed"], first,
-                                  last, r["residency"]])
-        out.extend(_table(["storage entry", "bytes", "spills", "reloads", "prefetches given back",
-                           "dropped spilled", "failed", "first spill", "last reload",
-                           "at the snapshot"], (0, 9), storage_cells, len(rows), "storages",
+                                  r["taken_back"], r["prefetch_given_back"], r["drop_spilled"],
+                                  r["failed"], first, last, r["residency"]])
+        out.extend(_table(["storage entry", "bytes", "spills", "reloads", "taken back",
+                           "prefetches given back", "dropped spilled", "failed", "first spill",
+                           "last reload", "at the snapshot"], (0, 10), storage_cells, len(rows),
+                          "storages",
                           "No spills or reloads on this device."))
 
         places = saved_by_place(snapshot, d)

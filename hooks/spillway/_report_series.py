@@ -78,8 +78,10 @@ def series(snapshot, device=0):
     start_allocated = end_allocated - sum(d_alloc.get(e["action"], 0) * e["size"] for e in trace)
     start_reserved = end_reserved - sum(d_reserved.get(e["action"], 0) * e["size"] for e in trace)
     # "failed" is noted only for a spill whose copy failed: its bytes never reached the host.
-    d_spill = {"spill": 1, "reload": -1, "drop_spilled": -1, "prefetch_given_back": 1,
-               "failed": -1}
+    # "taken_back": a spill still copying that backward wanted; its device block became the
+    # storage's memory again (no copy back).
+    d_spill = {"spill": 1, "reload": -1, "taken_back": -1, "drop_spilled": -1,
+               "prefetch_given_back": 1, "failed": -1}
     by_device = section.get("spilled_bytes_by_device")
     if by_device:
         end_spilled = by_device[device] if device < len(by_device) else 0

@@ -88,6 +88,7 @@ def summary(snapshot, top=10):
         lines.append("")
         lines.append(f"Offload: {stats.get('num_spills', 0)} spills, "
                      f"{stats.get('num_reloads', 0)} reloads, "
+                     f"{stats.get('num_taken_back', 0)} taken back before they left, "
                      f"{stats.get('bytes_to_host', 0) / MIB:.1f} MiB to host, "
                      f"{stats.get('num_prefetch_hits', 0)} prefetch hits, "
                      f"{stats.get('num_stalls', 0)} stalls")

@@ -313,5 +313,98 @@ TEST(PendingFreeTest, EmptyCacheReleasesTheOtherDevicesWhenOneFails) {
   EXPECT_EQ(backend->bytes_in_use(1), 0u);
 }
 
+// The offload engine takes back a block whose free still waits for a copy reading it (a spill
+// backward wants before the copy is done): the block is live again, counted, traced as a completed
+// free and an allocation, and its next free waits for the copy's stream again. Only the pending
+// free of the allocation the tag names is taken back: not once its free completed (the memory may
+// be someone else's by now), not twice, and not another allocation's pending at the same address.
+TEST(PendingFreeTest, APendingFreeIsTakenBackWholeAndItsNextFreeWaitsAgain) {
+  auto backend = std::make_shared<SimBackend>(JitterOptions(0us));
+  CachingAllocator alloc(backend, AllocatorConfig{});
+  alloc.RecordHistory(true, 64);
+  const StreamRef compute = backend->default_stream(0);
+  const StreamRef copy = backend->create_stream(0);
+  constexpr size_t kBytes = 3 * kMiB;
+  void* p = alloc.Malloc(kBytes, 0, compute);
+  const auto block_bytes = static_cast<int64_t>(alloc.Lookup(p)->size);
+  EXPECT_EQ(alloc.TagForRevival(&kBytes, 0), 0u) << "a tag for what is no allocation";
+  std::vector<unsigned char> host(kBytes);
+  {
+    auto hold = backend->hold_stream(0, copy.handle);  // the copy reading the block cannot finish
+    backend->memcpy_async(0, host.data(), p, kBytes, CopyKind::kDeviceToHost, copy.handle);
+    alloc.RecordStream(p, copy);
+    const uint64_t tag = alloc.TagForRevival(p, 0);
+    ASSERT_NE(tag, 0u);
+    alloc.Free(p);
+    EXPECT_FALSE(alloc.Lookup(p).has_value());
+    EXPECT_FALSE(alloc.Revive(p, 0, tag + 1)) << "another allocation's tag";
+    ASSERT_TRUE(alloc.Revive(p, 0, tag));
+    EXPECT_FALSE(alloc.Revive(p, 0, tag)) << "taken back twice";
+    const DeviceStats stats = alloc.stats(0);
+    EXPECT_EQ(stats.allocation.all().current, 1);
+    EXPECT_EQ(stats.allocated_bytes.all().current, block_bytes);
+    EXPECT_EQ(stats.active.all().current, 1);
+    EXPECT_EQ(stats.requested_bytes.all().current, static_cast<int64_t>(kBytes));
+    ASSERT_TRUE(alloc.Lookup(p).has_value());
+    EXPECT_EQ(alloc.Lookup(p)->stream.id, compute.id);
+    // Freed again while the copy still runs: pending again, so a request of its size gets other
+    // memory, not the block the copy reads.
+    alloc.Free(p);
+    void* q = alloc.Malloc(kBytes, 0, compute);
+    EXPECT_NE(q, p) << "the block was reused while a copy still read it";
+    alloc.Free(q);
+  }
+  backend->synchronize_stream(0, copy.handle);
+  alloc.ProcessEvents(0);
+  EXPECT_EQ(alloc.stats(0).active.all().current, 0);
+
+  // p's memory, reused by r and freed pending at the same address: r's, not p's allocation's.
+  const uint64_t p_tag = [&] {
+    void* again = alloc.Malloc(kBytes, 0, compute);
+    EXPECT_EQ(again, p);
+    const uint64_t tag = alloc.TagForRevival(again, 0);
+    alloc.RecordStream(again, copy);
+    alloc.Free(again);
+    backend->synchronize_stream(0, copy.handle);
+    alloc.ProcessEvents(0);
+    return tag;
+  }();
+  EXPECT_FALSE(alloc.Revive(p, 0, p_tag)) << "a completed free was taken back";
+  void* r = alloc.Malloc(kBytes, 0, compute);
+  ASSERT_EQ(r, p) << "the block's completed free should make it reusable";
+  {
+    auto hold = backend->hold_stream(0, copy.handle);
+    alloc.RecordStream(r, copy);
+    const uint64_t r_tag = alloc.TagForRevival(r, 0);
+    alloc.Free(r);
+    EXPECT_FALSE(alloc.Revive(p, 0, p_tag)) << "another allocation's pending free was taken back";
+    EXPECT_TRUE(alloc.Revive(r, 0, r_tag));
+    alloc.Free(r);
+  }
+  backend->synchronize_stream(0, copy.handle);
+  alloc.ProcessEvents(0);
+  EXPECT_EQ(alloc.stats(0).active.all().current, 0);
+  // What the history says of p's address: allocated, freed (requested), the free completed and
+  // the block allocated again, freed again, and so on: a trace PyTorch's viewer replays with
+  // nothing of its own.
+  std::vector<TraceAction> at_p;
+  const Snapshot snapshot = alloc.TakeSnapshot();
+  for (const TraceEntry& entry : snapshot.device_traces[0]) {
+    if (entry.addr == reinterpret_cast<uintptr_t>(p) &&
+        entry.action != TraceAction::kSegmentAlloc) {
+      at_p.push_back(entry.action);
+    }
+  }
+  std::vector<TraceAction> expected;
+  // p; p taken back; p's memory again (freed at once); r; r taken back.
+  for (int cycle = 0; cycle < 5; ++cycle) {
+    for (const TraceAction action :
+         {TraceAction::kAlloc, TraceAction::kFreeRequested, TraceAction::kFreeCompleted}) {
+      expected.push_back(action);
+    }
+  }
+  EXPECT_EQ(at_p, expected);
+}
+
 }  // namespace
 }  // namespace spillway::testing

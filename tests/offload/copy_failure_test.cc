@@ -26,6 +26,9 @@ class OffloadCopyFailure : public OffloadFaultInjection {};
 // entry must fail, not pass for resident.
 TEST_F(OffloadCopyFailure, OffloadAReloadFailsWhenTheSpillItReadsFromDid) {
   Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  // The storage is read back while its spill still copies; here the allocator cannot give the
+  // spill's block back (TakeBack refused), so the reload reads what that copy writes.
+  engine_->set_take_back_for_testing(false);
   std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 71);
   std::shared_ptr<TestStorage> b = NewStorage(2 * kMiB, 72);
   const KeeperId ida = Save(a);
@@ -53,6 +56,9 @@ TEST_F(OffloadCopyFailure, OffloadAReloadFailsWhenTheSpillItReadsFromDid) {
 // failed. The reload must stop there instead of copying the empty host buffer.
 TEST_F(OffloadCopyFailure, OffloadAReloadStopsWhenItsAllocationFindsItsSpillFailed) {
   Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  // The storage is read back while its spill still copies; here the allocator cannot give the
+  // spill's block back (TakeBack refused), so the reload reads what that copy writes.
+  engine_->set_take_back_for_testing(false);
   std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 73);
   const KeeperId ida = Save(a);
   void* filler = allocator_->Malloc(52 * kMiB, 0, compute_);

@@ -207,6 +207,9 @@ TEST_F(OffloadHeardFailure, OffloadAFailureTheLadderHeardFailsThePrefetchThatRea
   OffloadConfig config = Policy(OffloadPolicy::kEager);
   config.prefetch_bytes = 12 * kMiB;  // a, when backward acquires b
   Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  // The storage is read back while its spill still copies; here the allocator cannot give the
+  // spill's block back (TakeBack refused), so the reload reads what that copy writes.
+  engine_->set_take_back_for_testing(false);
   std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 81);
   std::shared_ptr<TestStorage> b = NewStorage(16 * kMiB, 82);
   const KeeperId ida = Save(a);
@@ -246,6 +249,9 @@ TEST_F(OffloadHeardFailure, OffloadAFailureAnotherThreadIsPassingOnFailsTheReloa
   OffloadConfig config = Policy(OffloadPolicy::kEager);
   config.prefetch_bytes = 0;
   Make(config, 64 * kMiB, std::chrono::microseconds{0});
+  // The storage is read back while its spill still copies; here the allocator cannot give the
+  // spill's block back (TakeBack refused), so the reload reads what that copy writes.
+  engine_->set_take_back_for_testing(false);
   std::shared_ptr<TestStorage> x = NewStorage(12 * kMiB, 86);  // saved first: refreshed first
   std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 87);
   const KeeperId idx = Save(x);

@@ -20,6 +20,10 @@ def pytest_configure(config):
         "markers", "models: trains third-party model code (transformers, torch.compile) at a size "
         "that takes seconds a run; the sanitizer build's run of the suite leaves these out "
         "(scripts/test): they drive the engine along the paths the smaller tests cover")
+    config.addinivalue_line(
+        "markers", "packaging: builds and installs the package afresh (pip), without the "
+        "sanitizers: the sanitizer build's run of the suite leaves it out (scripts/test), as it "
+        "would test nothing of that build and take minutes")
 
 
 @pytest.fixture(scope="session", autouse=True)

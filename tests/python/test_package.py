@@ -92,6 +92,7 @@ def test_memory_stats_has_pytorch_and_spillway_keys():
                 "requested_bytes.all.current", "num_ooms", "num_alloc_retries",
                 "spillway.num_spills", "spillway.spilled_bytes.current", "spillway.bytes_to_host",
                 "spillway.host_bytes.peak", "spillway.num_prefetch_hits", "spillway.stall_us",
+                "spillway.num_taken_back", "spillway.bytes_taken_back",
                 "spillway.skipped.small", "spillway.skipped.no_pinned",
                 "spillway.skipped.host_limit"]:
         assert key in stats, key
