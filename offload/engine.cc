@@ -311,6 +311,9 @@ OffloadEngine::SpillResult OffloadEngine::Spill(Entry& e) {
   e.errors_found_before_copy = errors_found_before;
   table_.ListOffloaded(e);
   e.acquired = false;
+  // Only a prefetch taken back (TakeBack: no host copy) can be spilled while a prefetch, by the
+  // out-of-memory rescue: spilled, it is one no more.
+  EndPrefetch(e);
   ++e.spill_count;
   e.last_spill_us = NowMicros();
   ++stats_.num_spills;

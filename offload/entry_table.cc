@@ -246,6 +246,7 @@ EntryInfo EntryTable::DescribeEntry(const Entry& e) {
   info.device = e.device;
   info.residency = e.state;
   info.prefetched = e.prefetched;
+  info.host_copy = e.host != nullptr;
   info.external_holders = e.storage->external_holders();
   const bool lost = e.state == Residency::kFailed;
   for (const auto& [id, view] : e.keepers) info.keepers.push_back(KeeperInfo{id, view, lost});

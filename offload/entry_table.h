@@ -56,8 +56,11 @@ struct EntryInfo {
   size_t nbytes = 0;
   int device = 0;
   Residency residency = Residency::kResident;
-  // Brought back ahead of use and not read yet: it keeps its host copy until read (or given back).
+  // Brought back ahead of use and not read yet: it keeps its host copy until read (or given back),
+  // unless it was taken back while its spill was still copying (then it has none).
   bool prefetched = false;
+  // It holds a pinned host copy (spilling, spilled, reloading, or a prefetch not read yet).
+  bool host_copy = false;
   int64_t external_holders = 0;
   std::vector<KeeperInfo> keepers;
   int64_t spill_count = 0;

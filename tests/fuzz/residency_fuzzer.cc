@@ -414,12 +414,18 @@ class Harness {
         case Residency::kFailed:
           FUZZ_CHECK(!"an entry failed although no fault was injected");
       }
-      // A prefetch keeps its host copy until it is read.
       if (info->prefetched) {
         FUZZ_CHECK(info->residency == Residency::kResident ||
                    info->residency == Residency::kReloading);
       }
-      if (info->residency != Residency::kResident || info->prefetched) host += n;
+      // Every state between a spill and the end of its reload keeps the host copy; a resident
+      // entry keeps none, but for a prefetch not read yet, which keeps its own (one taken back
+      // while its spill was still copying has none).
+      if (info->residency != Residency::kResident) FUZZ_CHECK(info->host_copy);
+      if (info->residency == Residency::kResident && !info->prefetched) {
+        FUZZ_CHECK(!info->host_copy);
+      }
+      if (info->host_copy) host += n;
       if (has_memory) ++with_memory;
     }
     FUZZ_CHECK(stats.spilled_bytes.current == spilled);
