@@ -210,7 +210,6 @@ void OffloadEngine::Refresh(Entry& e, bool wait) {
   if (!CopyDone(e, e.copy_done, e.state, wait)) return;
   if (e.state == Residency::kSpilling) {
     e.state = Residency::kSpilled;
-    e.spilled_block = nullptr;  // reusable from now on: not the entry's to take back
     return;
   }
   e.state = Residency::kResident;
@@ -334,7 +333,7 @@ bool OffloadEngine::TakeBack(Entry& e) {
   // The allocator gives the block back only while the spill's free of it is pending, and only
   // that allocation's (the tag): the memory at that address may be another's by now, the
   // allocator having freed it early for a stream ordered after the copy.
-  if (!take_back_ || e.state != Residency::kSpilling || e.spilled_block == nullptr) return false;
+  if (!take_back_ || e.state != Residency::kSpilling) return false;
   const StreamRef d2h = copies_.stream(e.device, Residency::kSpilling);
   void* const block = e.spilled_block;
   if (!allocator_.Revive(block, e.device, e.spilled_tag)) return false;
@@ -348,7 +347,6 @@ bool OffloadEngine::TakeBack(Entry& e) {
   // (Revive recorded its use again). Resident from here, the entry is no copy's any more: a
   // failure of that copy (FailInFlight) loses nothing of it.
   ReleaseHost(e, d2h);
-  e.spilled_block = nullptr;
   e.state = Residency::kResident;
   CountSpilled(e, false);
   Note(OffloadEvent::Kind::kTakenBack, e);
@@ -441,7 +439,6 @@ void OffloadEngine::IssueReload(Entry& e, void* ptr, StreamRef consumer) {
     e.storage->drop_device_memory();
     throw;
   }
-  e.spilled_block = nullptr;  // the copy to the device is the entry's now
   if (after_spill) {
     e.spill_done = e.copy_done;
     e.copy_done = reload_done;

@@ -23,7 +23,6 @@ void OffloadEngine::MarkFailed(Entry& e, const std::string& why) {
     copies_.Spare(e.device, e.spill_done);  // nothing waits on it any more
     e.spill_done = nullptr;
   }
-  e.spilled_block = nullptr;  // never taken back: its copy's streams may be failing
   e.failed_while = e.state;
   e.state = Residency::kFailed;
   e.failure = why;

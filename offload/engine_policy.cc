@@ -190,7 +190,7 @@ size_t OffloadEngine::GiveBackPrefetches(int device, size_t target_allocated) {
     // (A prefetch keeps its host copy until it is acquired or fails, either of which ends it.)
     if (e.device != device || !e.prefetched || e.storage->external_holders() != 0) continue;
     // Taken back while its spill was copying (TakeBack): no host copy to fall back on.
-    if (e.host == nullptr && e.state == Residency::kResident) continue;
+    if (e.host == nullptr) continue;
     // Waits for the copy (and the spill it read from, if it was still copying): a failure
     // found there fails the entry, which then is no prefetch any more.
     Refresh(e, /*wait=*/true);

@@ -106,10 +106,10 @@ struct Entry {
   // Reloaded while still spilling: the D2H copy the reload reads from, until seen complete. Its
   // failure fails the entry although it is reloading by then (FailInFlight).
   EventHandle spill_done = nullptr;
-  // Spilling: the device block the spill gave up and the allocator's tag of that allocation
+  // The device block the latest spill gave up and the allocator's tag of that allocation
   // (CachingAllocator::TagForRevival); the allocator keeps the block from reuse until the copy
   // has read it. Backward asking for the storage before then takes it back rather than reloading
-  // it (OffloadEngine::TakeBack). Null otherwise.
+  // it (OffloadEngine::TakeBack). Read only while the entry is spilling (that spill's).
   void* spilled_block = nullptr;
   uint64_t spilled_tag = 0;
   // How many stream errors the device's allocator had found (CachingAllocator::StreamErrorsFound)

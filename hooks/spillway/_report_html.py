@@ -103,8 +103,8 @@ def storage_rows(snapshot, device):
             continue  # another device's, or from before the recorded history (see series)
         row = rows.setdefault(e["entry"], {
             "entry": e["entry"], "bytes": 0, "spill": 0, "reload": 0, "taken_back": 0,
-            "prefetch_given_back": 0,
-            "drop_spilled": 0, "failed": 0, "first_spill_s": None, "last_reload_s": None})
+            "prefetch_given_back": 0, "drop_spilled": 0, "failed": 0, "first_spill_s": None,
+            "last_reload_s": None})
         row["bytes"] = max(row["bytes"], e["bytes"])
         if e["action"] in row:
             row[e["action"]] += 1
