@@ -25,13 +25,20 @@ with every saved tensor of at least 1 MiB marked), Spillway eager, Spillway auto
 resident state), and Spillway eager around a checkpointed forward. Rows whose dependency is absent
 say so (the CUDA-only ones are "n/a" on the simulated device, whose memory is host memory).
 
+Memory is read as the peak held for tensors (active bytes: allocated, or freed and awaiting a
+copy still reading it): a spill's block holds memory until its bytes have crossed, and counting
+it as freed at the spill (allocated bytes) would credit a slow link with memory it did not save.
+
 On CUDA the run first measures the link (pinned D2H and H2D copies, timed with CUDA events) and
-gives each row that moved bytes its physical bound, max(compute time, bytes to the host /
-D2H bandwidth, bytes back / H2D bandwidth), the compute time being that of the configuration's
-no-offload counterpart (the reference, or checkpointing for Spillway with checkpointing) at the
-same length: measured, or scaled by training FLOPs from the longest length it trained. On sim the
-link is the simulated device's (--sim-link-mb-per-s): its copies take their bytes over that
-bandwidth, so the bounds there are exact for the link.
+gives each row that moved bytes its physical bound, the larger of the link's, max(compute time,
+bytes to the host / D2H bandwidth, bytes back / H2D bandwidth), and the peak's, max(forward time,
+saved / D2H bandwidth) + max(the rest of the step, saved / H2D bandwidth), where saved is the
+memory the row held below its no-offload counterpart at the peak, which must have left the device
+by the end of forward and come back after it. Compute and forward times are the counterpart's
+(the reference, or checkpointing for Spillway with checkpointing) at the same length: measured,
+or scaled by training FLOPs from the longest length it trained (then the peak's bound is not
+given). On sim the link is the simulated device's (--sim-link-mb-per-s): its copies take their
+bytes over that bandwidth, so the bounds there are exact for the link.
 
 `--one SPEC_JSON` runs one child in this process (for debugging) and prints its rows.
 """

@@ -529,8 +529,11 @@ def train_length(torch, model, spec, seq, dev, config, make_peer, budget, min_by
             return (c.to_host, c.to_device, None, None, None)
         return (None, None, None, None, None)
 
-    losses, times, bases = [], [], []
+    losses, times, forward_times, bases = [], [], [], []
     before = None
+    # The forward's own time, for the bounds (llm_step_report.annotate): on CUDA between events on
+    # the compute stream, so that the host, which runs ahead, need not wait for it.
+    cuda_events = dev == "cuda"
     for step in range(steps):
         if step == 1:  # the first step is warm-up: lazy initialisation, AdamW's states, caches
             sync()
@@ -542,16 +545,24 @@ def train_length(torch, model, spec, seq, dev, config, make_peer, budget, min_by
         ids = tokens[step].to(dev)
         sync()
         t0 = time.perf_counter()
+        if cuda_events:
+            marks = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
+            marks[0].record()
         optimizer.zero_grad(set_to_none=True)
         bases.append(stats()["allocated_bytes.all.current"])
         with forward_context():
             out = model(input_ids=ids, labels=ids)
             loss = out.loss
             del out
+        if cuda_events:
+            marks[1].record()
+        else:
+            t_forward = time.perf_counter() - t0  # the simulated device's kernels are the host's
         loss.backward()
         optimizer.step()
         sync()
         times.append(time.perf_counter() - t0)
+        forward_times.append(marks[0].elapsed_time(marks[1]) / 1e3 if cuda_events else t_forward)
         losses.append(loss.item())
         del loss, ids
     after = counters()
@@ -559,10 +570,15 @@ def train_length(torch, model, spec, seq, dev, config, make_peer, budget, min_by
     timed = times[1:] if len(times) > 1 else times
     n = len(timed)
     median = statistics.median(timed)
+    # peak_active: the most memory held for tensors, blocks whose free waits for a copy still
+    # reading them included (a spill's, until its bytes have crossed): what the device must have.
+    # Allocated bytes leave those out, and would count a spill as memory saved before it is.
     result = dict(
         losses=losses, step_times=[round(t, 6) for t in times], median_step_s=median,
+        median_forward_s=statistics.median(forward_times[1:] if n < len(times) else forward_times),
         tokens_per_s=batch * seq / median, peak_allocated=s["allocated_bytes.all.peak"],
-        peak_reserved=s["reserved_bytes.all.peak"], base_allocated=bases[-1])
+        peak_active=s["active_bytes.all.peak"], peak_reserved=s["reserved_bytes.all.peak"],
+        base_allocated=bases[-1])
     if steps == 1:
         before = (0, 0, 0.0, 0, 0) if after[0] is not None else (None,) * 5
     if after[0] is not None and before[0] is not None:

@@ -32,9 +32,34 @@ def link_text(link):
     return link.get("reason") or link.get("error") or "not measured"
 
 
+def held(r):
+    """The most memory a row's step held for tensors: peak active bytes, which count a block
+    whose free waits for a copy still reading it (a spill's, until its bytes have crossed the
+    link), where peak allocated bytes count it as freed. Rows of older runs have allocated only."""
+    return r.get("peak_active", r["peak_allocated"])
+
+
+def scaled(base, key, m, seq):
+    """`key` of the base rows at `seq`: measured there, or scaled by training FLOPs from the
+    longest length measured; (value, basis), or (None, None) with no base row."""
+    if seq in base:
+        return base[seq][key], "measured"
+    if not base:
+        return None, None
+    s = max(base)
+    return base[s][key] * flops_per_step(m, seq) / flops_per_step(m, s), f"FLOPs-scaled from {s}"
+
+
 def annotate(rows, models, link):
-    """Adds to each row what is read against the reference: memory saved, step-time overhead,
-    the losses' comparison, and the physical bound."""
+    """Adds to each row what is read against the reference: memory saved (held memory, see
+    `held`), step-time overhead, the losses' comparison, and the physical bound.
+
+    The bound is the larger of two. The link's: max(compute, bytes to the host / D2H bandwidth,
+    bytes back / H2D bandwidth), each direction overlapping the whole step. The peak's: memory a
+    row holds below its base at the peak (the end of forward) must have crossed to the host by
+    then, and must cross back after it, before backward reads it: max(forward compute, saved /
+    D2H bandwidth) + max(the rest of the step, saved / H2D bandwidth). The second binds where a
+    row saves much on a slow link; it needs the base row at the same length (its held memory)."""
     for r in rows:
         if r["status"] != "ok":
             continue
@@ -50,26 +75,30 @@ def annotate(rows, models, link):
         else:
             r["losses_vs_reference"] = "no reference at this length"
         if ref is not None:
-            r["saved_fraction"] = 1 - r["peak_allocated"] / ref["peak_allocated"]
+            r["saved_fraction"] = 1 - held(r) / held(ref)
             r["overhead_fraction"] = r["median_step_s"] / ref["median_step_s"] - 1
         if not link or "d2h_gbps" not in link or not r.get("to_host_per_step"):
             continue
         base_config = "checkpoint" if r["config"] in CHECKPOINTED else "pytorch"
         base = ok_rows(rows, r["model"], base_config)
         m = models[r["model"]]
-        if r["seq"] in base:
-            compute, basis = base[r["seq"]]["median_step_s"], "measured"
-        elif base:
-            s = max(base)
-            compute = base[s]["median_step_s"] * flops_per_step(m, r["seq"]) / flops_per_step(m, s)
-            basis = f"FLOPs-scaled from {s}"
-        else:
+        compute, basis = scaled(base, "median_step_s", m, r["seq"])
+        if compute is None:
             continue
-        d2h = r["to_host_per_step"] / (link["d2h_gbps"] * 1e9)
-        h2d = r["to_device_per_step"] / (link["h2d_gbps"] * 1e9)
-        r["bound"] = {"compute_s": compute, "compute_basis": f"{base_config}, {basis}",
-                      "d2h_s": d2h, "h2d_s": h2d, "bound_s": max(compute, d2h, h2d)}
-        r["step_over_bound"] = r["median_step_s"] / r["bound"]["bound_s"]
+        d2h_bps, h2d_bps = link["d2h_gbps"] * 1e9, link["h2d_gbps"] * 1e9
+        d2h = r["to_host_per_step"] / d2h_bps
+        h2d = r["to_device_per_step"] / h2d_bps
+        bound = {"compute_s": compute, "compute_basis": f"{base_config}, {basis}",
+                 "d2h_s": d2h, "h2d_s": h2d, "link_bound_s": max(compute, d2h, h2d)}
+        forward = scaled({s: b for s, b in base.items() if "median_forward_s" in b},
+                         "median_forward_s", m, r["seq"])[0]
+        if r["seq"] in base and forward is not None:
+            saved = max(0, held(base[r["seq"]]) - held(r))
+            bound.update(forward_s=forward, saved_at_peak=saved, peak_bound_s=(
+                max(forward, saved / d2h_bps) + max(compute - forward, saved / h2d_bps)))
+        bound["bound_s"] = max(bound["link_bound_s"], bound.get("peak_bound_s", 0))
+        r["bound"] = bound
+        r["step_over_bound"] = r["median_step_s"] / bound["bound_s"]
 
 
 def frontier(rows, models, configs):
@@ -130,6 +159,13 @@ def markdown(meta, rows, models, front):
     if meta.get("stopped"):
         lines.append(f"**Cut short**: {meta['stopped']}; the rows not run say no_time.")
     lines.append(f"Link: {link_text(meta.get('link') or {})}.")
+    lines.append("Peak held: the most memory held for tensors (active bytes: allocated, or freed "
+                 "and awaiting a copy still reading it, as a spill's block is until its bytes "
+                 "have crossed); memory saved and its \"vs ref\" are read from it. Bound: the "
+                 "larger of the link's, max(compute, bytes to the host / D2H bandwidth, bytes "
+                 "back / H2D bandwidth), and the peak's, max(forward, saved / D2H bandwidth) + "
+                 "max(rest of the step, saved / H2D bandwidth), saved being the memory held "
+                 "below the base row at the peak.")
     if sim:
         lines.append("On the simulated device the reference runs on Spillway's allocator (it is "
                      "the device) without offload; step times are the host CPU's, and say "
@@ -140,10 +176,11 @@ def markdown(meta, rows, models, front):
                   f"{', '.join(map(str, m['seqs']))}" +
                   (f", simulated device of {m['capacity_mb']} MiB" if sim else ""), "",
                   f"| configuration | length | result | tokens/s | {time_label} | vs ref step |"
-                  f" peak alloc ({unit}) | vs ref | peak reserved ({unit}) | to host / step "
-                  f"({unit}) | back / step ({unit}) | stall / step (ms) | bound (s) | step / "
-                  f"bound | losses |",
-                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                  f" peak held ({unit}) | vs ref | peak alloc ({unit}) | peak reserved ({unit}) "
+                  f"| to host / step ({unit}) | back / step ({unit}) | stall / step (ms) | "
+                  f"bound (s) | step / bound | losses |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+                  "---|"]
         for config, label in chosen(front):
             mine = [r for r in rows if r["model"] == name and r["config"] == config]
             for r in mine:
@@ -152,15 +189,15 @@ def markdown(meta, rows, models, front):
                 if r["status"] != "ok":
                     seq = r["seq"] if r["seq"] is not None else ""
                     reason = r.get("reason", "").replace("|", "/")
-                    lines.append(f"| {label} | {seq} | {r['status']}: {reason} |" + " |" * 12)
+                    lines.append(f"| {label} | {seq} | {r['status']}: {reason} |" + " |" * 13)
                     continue
                 bound = r.get("bound") or {}
                 step_ratio = r["overhead_fraction"] + 1 if "overhead_fraction" in r else None
                 peak_ratio = 1 - r["saved_fraction"] if "saved_fraction" in r else None
                 cells = [label, r["seq"], "ok", f"{r['tokens_per_s']:.0f}",
                          f"{r['median_step_s']:.3f}", fmt(step_ratio, 1, 2),
-                         fmt(r["peak_allocated"], scale, 2), fmt(peak_ratio, 1, 2),
-                         fmt(r["peak_reserved"], scale, 2),
+                         fmt(held(r), scale, 2), fmt(peak_ratio, 1, 2),
+                         fmt(r["peak_allocated"], scale, 2), fmt(r["peak_reserved"], scale, 2),
                          fmt(r.get("to_host_per_step"), scale, 2),
                          fmt(r.get("to_device_per_step"), scale, 2),
                          fmt(r.get("stall_per_step_s"), 1e-3, 1),
@@ -205,7 +242,8 @@ def plot(meta, rows, models, front, path):
                             textcoords="offset points")
     ax.axhline(0, color="grey", lw=0.5)
     ax.axvline(0, color="grey", lw=0.5)
-    ax.set_xlabel("memory saved: 1 - peak allocated / reference's (%)")
+    ax.set_xlabel("memory saved: 1 - peak held / reference's (%; held: allocated, or awaiting "
+                  "a copy out)")
     ax.set_ylabel("step-time overhead over the reference (%)")
     ax.set_title("Memory saved against step time (labels: sequence length)")
     if ax.get_legend_handles_labels()[0]:
@@ -258,7 +296,7 @@ def summary(meta, rows, models, front):
             continue
         seq = max(ref)
         out += ["", f"{name} at length {seq} (the longest the reference trained):",
-                f"| configuration | tokens/s | vs ref step | peak alloc ({unit}) | vs ref | "
+                f"| configuration | tokens/s | vs ref step | peak held ({unit}) | vs ref | "
                 f"to host/step ({unit}) | step/bound | losses |", "|---|---:|---:|---:|---:|---:|"
                 "---:|---|"]
         for config, label in chosen(front):
@@ -267,7 +305,7 @@ def summary(meta, rows, models, front):
                 continue
             out.append(f"| {label} | {r['tokens_per_s']:.0f} | "
                        f"{r['median_step_s'] / ref[seq]['median_step_s']:.2f} | "
-                       f"{r['peak_allocated'] / scale:.2f} | {1 - r['saved_fraction']:.2f} | "
+                       f"{held(r) / scale:.2f} | {1 - r['saved_fraction']:.2f} | "
                        f"{fmt(r.get('to_host_per_step'), scale, 2)} | "
                        f"{fmt(r.get('step_over_bound'), 1, 2)} | {r['losses_vs_reference']} |")
     out += ["", "OOM frontier (longest length trained; what stopped it):",

@@ -349,6 +349,10 @@ bool OffloadEngine::TakeBack(Entry& e) {
   ReleaseHost(e, d2h);
   e.state = Residency::kResident;
   CountSpilled(e, false);
+  // Its spill freed nothing: eager's next run of this forward spills that much less
+  // (ForwardSpillQuota).
+  DeviceState& state = State(e.device);
+  if (e.forward == state.forward) state.quota.OnTakenBack(e.nbytes);
   Note(OffloadEvent::Kind::kTakenBack, e);
   ++stats_.num_taken_back;
   stats_.bytes_taken_back += static_cast<int64_t>(e.nbytes);

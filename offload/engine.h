@@ -15,12 +15,14 @@
 // deferred until copy-done (record_stream once, then free). Reload = block allocated on the
 // consumer stream -> event there -> H2D stream waits -> copy -> reload-done -> consumer waits.
 //
-// Policies: `eager` spills every eligible entry at the next save or at the end of forward; `auto`
-// holds allocated device bytes under its budget: the allocator calls the engine before an
-// allocation that would pass the budget (CachingAllocator::SetPressureHandler), and the engine
-// gives back prefetches nobody read yet, then spills the oldest eligible entries outside the
-// prefetch window, until that allocation fits. Backward prefetches ahead of each read: a fixed
-// window, or by default an adaptive depth (OffloadConfig::prefetch_bytes, Prefetch).
+// Policies: `eager` spills every eligible entry at the next save or at the end of forward, oldest
+// first, up to what the link carried before backward in the run of that forward before
+// (ForwardSpillQuota); `auto` holds allocated device bytes under its budget: the allocator calls
+// the engine before an allocation that would pass the budget
+// (CachingAllocator::SetPressureHandler), and the engine gives back prefetches nobody read yet,
+// then spills the oldest eligible entries outside the prefetch window, until that allocation
+// fits. Backward prefetches ahead of each read: a fixed window, or by default an adaptive depth
+// (OffloadConfig::prefetch_bytes, Prefetch).
 //
 // Composed of three parts with one job each: the entry table (entries, keepers, the indices by
 // save order: offload/entry_table.h), the copy engine (streams, events, the pinned pool, copies
@@ -198,11 +200,16 @@ class OffloadEngine {
     size_t prefetched_bytes = 0;  // reloaded ahead of use, not yet acquired
     int64_t spilled_bytes = 0;    // see spilled_bytes(device)
     ForwardFootprint footprint;   // what adaptive prefetch knows of the latest forward
+    ForwardSpillQuota quota;      // how many bytes of a forward eager spills
+    uint64_t forward = 1;         // forwards begun (a save after a read begins one)
+    bool saved_on = false;        // a save was made on the device
   };
   DeviceState& State(int device) { return devices_[static_cast<size_t>(device)]; }
 
   // The unlocked bodies of public calls that other calls make under the lock.
-  void RunPolicyLocked();
+  // `forward_end`: called at the end of a forward (eager keeps or spills there what its bound
+  // deferred, see ForwardSpillQuota), else after a save.
+  void RunPolicyLocked(bool forward_end = false);
   void RemoveKeeperLocked(KeeperId id);
   void CountSkipLocked(std::string_view reason);
   void SynchronizeLocked();
@@ -330,6 +337,7 @@ class OffloadEngine {
   // Per allocator that found them, the number (StreamError::seq) of the last copy-stream failure
   // acted on: one can be told more than once, and acting twice would fail later, healthy copies.
   absl::flat_hash_map<int, uint64_t> stream_errors_acted_on_;
+  int saving_devices_ = 0;  // devices a save was made on (DeviceState::saved_on)
   bool skip_consumer_wait_ = false;
   bool take_back_ = true;
   OffloadStats stats_;

@@ -28,7 +28,18 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   Entry& e = *entry;
   // Forward's footprint, which adaptive prefetch keeps backward within (the saved bytes are still
   // allocated now: a policy spills them only below).
-  State(e.device).footprint.OnSave(AllocatedBytes(e.device));
+  DeviceState& state = State(e.device);
+  if (state.footprint.OnSave(AllocatedBytes(e.device))) {
+    state.quota.OnForwardStart();
+    ++state.forward;
+  }
+  if (!state.saved_on) {
+    state.saved_on = true;
+    ++saving_devices_;
+  }
+  // The forward the save is of, for eager's bound (ForwardSpillQuota).
+  e.forward = state.forward;
+  state.quota.OnSave();
   // Saved before, and other saves since: backward reads it first at this save. Auto's spill order
   // and window take it as new (it kept its first save's place, outside the window, and went
   // first); older keepers keep their seqs, so each backward prefetches from its own save.

@@ -61,7 +61,7 @@ void OffloadEngine::Prefetch(EngineLock& lock, int device, uint64_t before_seq,
 
 void OffloadEngine::ForwardEnd() {
   EngineLock lock(mutex_, this);
-  RunPolicyLocked();
+  RunPolicyLocked(/*forward_end=*/true);
 }
 
 void OffloadEngine::RunPolicy() {
@@ -69,10 +69,10 @@ void OffloadEngine::RunPolicy() {
   RunPolicyLocked();
 }
 
-void OffloadEngine::RunPolicyLocked() {
+void OffloadEngine::RunPolicyLocked(bool forward_end) {
   copies_.ForEachStarted([&](int device) { TakeHeardFailures(device); });
   if (config_.policy == OffloadPolicy::kEager) {
-    Carry(PlanEager(), kAllDevices);
+    Carry(PlanEager(forward_end), kAllDevices);
   } else if (config_.policy == OffloadPolicy::kAuto) {
     for (int d = 0; d < static_cast<int>(devices_.size()); ++d) SpillToBudget(d, 0);
   }
@@ -104,7 +104,25 @@ size_t OffloadEngine::Carry(const SpillPlan& plan, int device) {
       // (A refusal for good, a resized storage, drops the entry from the candidates; one for
       // now, no pinned memory or a copy that could not be issued, leaves it for the next pass.)
       table_.VisitSpillCandidates(table_.next_seq(), PolicyMaySpill, [&](Entry& e) {
-        if (Eligible(e)) SpillInPass(e, pass);
+        if (!Eligible(e)) return true;
+        DeviceState& state = State(e.device);
+        ForwardSpillQuota& quota = state.quota;
+        const bool this_forward = e.forward == state.forward;
+        if (this_forward && !quota.Admits(e.nbytes)) {
+          // Past what the link carried before backward in the run of this forward before:
+          // deferred, as is every later save of this forward (with one device saving, nothing
+          // is left to visit after a save), to the forward's end, where they stay for backward
+          // if this is that forward (each counted; the out-of-memory rescue may still spill
+          // them), and go if it is another.
+          quota.OnDeferred(e.nbytes);
+          if (!plan.forward_end) return saving_devices_ > 1;
+          if (quota.KeepsDeferred()) {
+            CountSkipOf(e, kSkipLink);
+            return true;
+          }
+        }
+        SpillInPass(e, pass);
+        if (this_forward && e.state != Residency::kResident) quota.OnSpill(e.nbytes);
         return true;
       });
       break;
@@ -275,6 +293,11 @@ void OffloadEngine::SetConfig(const OffloadConfig& config) {
   // nest, and each one sets the configuration as it starts and ends).
   const bool new_window = config.prefetch_bytes != config_.prefetch_bytes;
   const bool new_host_limit = config.host_limit_bytes != config_.host_limit_bytes;
+  // What eager learned of its forwards (ForwardSpillQuota) is its own: another policy's forwards
+  // say nothing of it.
+  if (config.policy != config_.policy) {
+    for (DeviceState& state : devices_) state.quota.Reset();
+  }
   config_ = config;
   if (new_host_limit) copies_.SetHostLimit(config_.host_limit_bytes);
   if (new_window) table_.SetWindowLimit(WindowLimit(config_));

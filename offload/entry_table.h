@@ -92,6 +92,9 @@ struct Entry {
   bool acquiring = false;           // inside Acquire: its own prefetch must not spill it
   bool policy_refused = false;      // a spill was refused for a reason that will not change
   bool saved_under_off = false;     // saved in an "off" block: never spilled, whatever comes later
+  // The forward of the entry's latest save (OffloadEngine's count, per device): eager's bound on
+  // a forward's spills is on that forward's saves (ForwardSpillQuota).
+  uint64_t forward = 0;
   // policy_refused covers saves below the min_bytes in force when they were saved, too.
   // Its memory is being allocated for a reload with the engine's lock released (see
   // OffloadEngine::Reload): nothing else reloads or drops it, or reads its storage's pointer.

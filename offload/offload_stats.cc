@@ -22,7 +22,7 @@ std::map<std::string, int64_t> OffloadStats::Flatten() const {
       {"bytes_taken_back", bytes_taken_back},
   };
   for (std::string_view reason : {kSkipSmall, kSkipNoPinned, kSkipHostLimit, kSkipForeign,
-                                  kSkipEmpty, kSkipCopyError, kSkipResized}) {
+                                  kSkipEmpty, kSkipCopyError, kSkipResized, kSkipLink}) {
     out["skipped." + std::string(reason)] = 0;
   }
   for (const auto& [reason, count] : skipped) out["skipped." + reason] = count;

@@ -19,6 +19,9 @@ inline constexpr std::string_view kSkipEmpty = "empty";           // zero-byte s
 inline constexpr std::string_view kSkipCopyError = "copy_error";  // a copy could not be enqueued
 // Resized (resize_, an out= op) or given other memory after its first save: the entry is stale.
 inline constexpr std::string_view kSkipResized = "resized";
+// Kept by eager at the end of its forward: beyond what the link carried before backward in the run
+// of that forward before (ForwardSpillQuota, offload/policy.h).
+inline constexpr std::string_view kSkipLink = "link";
 
 struct OffloadStats {
   Stat spilled_bytes;  // entries spilling or spilled

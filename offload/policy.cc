@@ -4,18 +4,33 @@
 
 namespace spillway {
 
-void ForwardFootprint::OnSave(size_t allocated) {
-  if (read_since_save) saving_high = spilled_high = room_taken = 0;
+bool ForwardFootprint::OnSave(size_t allocated) {
+  const bool began = read_since_save;
+  if (began) saving_high = spilled_high = room_taken = 0;
   read_since_save = false;
   saving_high = std::max(saving_high, allocated);
+  return began;
 }
 
 void ForwardFootprint::OnSpilledBytes(size_t spilled_now) {
   spilled_high = std::max(spilled_high, spilled_now);
 }
 
-SpillPlan PlanEager() {
-  return SpillPlan{std::nullopt, SpillPlan::Spills::kAllEligible, 0, false, false};
+void ForwardSpillQuota::OnForwardStart() {
+  const bool same = limit_.has_value() && saves_ == learned_saves_;
+  if (taken_back_ > 0) {
+    limit_ = spilled_ - std::min(spilled_, taken_back_);
+  } else if (same && first_deferred_ > 0) {
+    limit_ = *limit_ + std::max(*limit_ / 8, first_deferred_);
+  } else if (!same) {
+    limit_.reset();  // another forward that had nothing taken back: no bound
+  }
+  learned_saves_ = saves_;
+  saves_ = spilled_ = taken_back_ = first_deferred_ = 0;
+}
+
+SpillPlan PlanEager(bool forward_end) {
+  return SpillPlan{std::nullopt, SpillPlan::Spills::kAllEligible, 0, false, false, forward_end};
 }
 
 std::optional<SpillPlan> PlanBudget(size_t allocated, size_t incoming, size_t budget) {

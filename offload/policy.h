@@ -29,10 +29,58 @@ struct ForwardFootprint {
   // is its own (a larger one before, an evaluation's or another batch size's, says nothing).
   bool read_since_save = false;
 
-  // A save, with `allocated` bytes allocated on the device (the saved bytes among them).
-  void OnSave(size_t allocated);
+  // A save, with `allocated` bytes allocated on the device (the saved bytes among them). True
+  // when it begins another forward (the first save after a read).
+  bool OnSave(size_t allocated);
   void OnRead() { read_since_save = true; }
   void OnSpilledBytes(size_t spilled_now);
+};
+
+// Per device: how many bytes `eager` spills in one forward, learned from the run of that forward
+// before. A spill that backward took back (its copy to the host still running when backward
+// wanted the storage: OffloadEngine::TakeBack) freed no memory at all: its block stayed pending,
+// handed to no other allocation, until backward took it; meanwhile it took the link's time, and
+// after its read its free waited for that copy again. Eager spills each save as soon as it may,
+// oldest first, so what backward takes back is the newest: the part of the forward the link did
+// not carry before backward. The next run of the forward spills, oldest first, only what the last
+// one got across (its spills less those taken back) and defers the rest to its end, where it keeps
+// them on the device if the forward is the one the bound was learned on (as many saves: the same
+// graph, its sizes free to vary), and spills them otherwise (another forward, which the bound says
+// nothing of). Where the bound deferred saves and nothing was taken back, it grows by an eighth
+// (at least the first save deferred) per forward: a longer forward, a freer link. No timing: what
+// was taken back is the allocator's own account, in the order of its allocations and frees, of
+// what crossed in time, which holds where the host runs ahead of the device (CUDA) as where it
+// does not. None until something is taken back.
+class ForwardSpillQuota {
+ public:
+  void OnSave() { ++saves_; }
+  // Whether a save of this forward of `bytes` may be spilled now; once one was deferred, every
+  // later one is (the newer saves are no less likely to be taken back).
+  bool Admits(size_t bytes) const {
+    return !limit_.has_value() || (first_deferred_ == 0 && spilled_ + bytes <= *limit_);
+  }
+  void OnSpill(size_t bytes) { spilled_ += bytes; }
+  void OnDeferred(size_t bytes) {
+    if (first_deferred_ == 0) first_deferred_ = bytes;
+  }
+  // At the forward's end: whether its deferred saves stay on the device (it is the forward the
+  // bound was learned on), or go.
+  bool KeepsDeferred() const { return limit_.has_value() && saves_ == learned_saves_; }
+  void OnTakenBack(size_t bytes) { taken_back_ += bytes; }
+  // Another forward begins: the bound for it, from the one that ended.
+  void OnForwardStart();
+  // Forgets what was learned (another policy ran: its forwards say nothing of eager's).
+  void Reset() { *this = ForwardSpillQuota(); }
+  // The bytes this forward may spill before deferring; none: no bound.
+  std::optional<size_t> limit() const { return limit_; }
+
+ private:
+  std::optional<size_t> limit_;
+  size_t learned_saves_ = 0;   // the saves of the forward the bound was learned on
+  size_t saves_ = 0;           // saves since this forward began
+  size_t spilled_ = 0;         // its saves eager spilled
+  size_t taken_back_ = 0;      // its saves taken back (by its backward)
+  size_t first_deferred_ = 0;  // the first save deferred (0: none)
 };
 
 // What a policy asks of the engine. First, unread prefetches are given back (no copy: their host
@@ -55,10 +103,14 @@ struct SpillPlan {
   // at the next read and give it back at the next allocation (a copy each way for nothing; seen
   // as more bytes reloaded than spilled). Not the rescue's: that allocation fails otherwise.
   bool room_for_backward = false;
+  // Eager's at the end of a forward: the saves its bound deferred are kept or spilled there
+  // (ForwardSpillQuota::KeepsDeferred); after a save they wait.
+  bool forward_end = false;
 };
 
-// `eager`, after a save or at the end of forward: every eligible save, on every device.
-SpillPlan PlanEager();
+// `eager`, after a save or at the end of forward: every eligible save, on every device, within
+// each device's bound on its forward (ForwardSpillQuota).
+SpillPlan PlanEager(bool forward_end);
 // `auto` on one device, with `allocated` bytes allocated and `incoming` about to be: nothing when
 // that fits in `budget`, else down to the budget less a sixteenth (so that the next allocations
 // do not ask again) less what is coming. Prefetches nobody read go first: one costs no copy now,

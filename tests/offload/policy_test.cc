@@ -45,7 +45,7 @@ TEST(SpillPlanTest, IncomingLargerThanTheBudgetSpillsEverythingItMay) {
 }
 
 TEST(SpillPlanTest, EagerSpillsEveryEligibleSaveAndGivesNothingBack) {
-  const SpillPlan plan = PlanEager();
+  const SpillPlan plan = PlanEager(/*forward_end=*/false);
   EXPECT_FALSE(plan.give_back_to.has_value());
   EXPECT_EQ(plan.spills, SpillPlan::Spills::kAllEligible);
   EXPECT_FALSE(plan.include_window);
@@ -78,18 +78,98 @@ TEST(ForwardFootprintTest, ASaveAfterAReadStartsAnotherForward) {
   ForwardFootprint f;
   f.OnSave(100 * kMiB);
   f.OnSpilledBytes(80 * kMiB);
-  f.OnSave(90 * kMiB);  // the high stays
+  EXPECT_FALSE(f.OnSave(90 * kMiB));  // the high stays
   f.room_taken = 5 * kMiB;
   EXPECT_EQ(f.saving_high, 100 * kMiB);
   EXPECT_EQ(f.spilled_high, 80 * kMiB);
   f.OnRead();
   f.OnSpilledBytes(10 * kMiB);  // backward's numbers do not lower the forward's
   EXPECT_EQ(f.spilled_high, 80 * kMiB);
-  f.OnSave(30 * kMiB);  // a new forward: a smaller one is its own
+  EXPECT_TRUE(f.OnSave(30 * kMiB));  // a new forward: a smaller one is its own
   EXPECT_EQ(f.saving_high, 30 * kMiB);
   EXPECT_EQ(f.spilled_high, 0U);
   EXPECT_EQ(f.room_taken, 0U);
   EXPECT_FALSE(f.read_since_save);
+}
+
+TEST(ForwardSpillQuotaTest, NoBoundUntilSomethingIsTakenBack) {
+  ForwardSpillQuota q;
+  q.OnSave();
+  q.OnSpill(500 * kMiB);
+  q.OnForwardStart();
+  EXPECT_FALSE(q.limit().has_value());
+  EXPECT_TRUE(q.Admits(size_t{1} << 40));
+  EXPECT_FALSE(q.KeepsDeferred());
+}
+
+TEST(ForwardSpillQuotaTest, WhatTheLastRunGotAcrossThenGrowing) {
+  ForwardSpillQuota q;
+  for (int i = 0; i < 3; ++i) q.OnSave();
+  q.OnSpill(60 * kMiB);
+  q.OnSpill(40 * kMiB);
+  q.OnTakenBack(30 * kMiB);
+  q.OnForwardStart();
+  ASSERT_EQ(q.limit(), 70 * kMiB);
+  EXPECT_TRUE(q.Admits(70 * kMiB));
+  q.OnSpill(64 * kMiB);
+  EXPECT_FALSE(q.Admits(8 * kMiB));
+  EXPECT_TRUE(q.Admits(6 * kMiB));
+  q.OnDeferred(8 * kMiB);
+  EXPECT_FALSE(q.Admits(1)) << "a save after a deferred one is deferred too";
+  q.OnDeferred(2 * kMiB);  // the first deferred save counts
+  q.OnSave();
+  q.OnSave();
+  EXPECT_FALSE(q.KeepsDeferred()) << "two saves: not the forward it was learned on (yet)";
+  q.OnSave();
+  EXPECT_TRUE(q.KeepsDeferred());
+  // Deferred saves and nothing taken back: an eighth more (8.75 MiB), at least the first one.
+  q.OnForwardStart();
+  EXPECT_EQ(q.limit(), 70 * kMiB + 70 * kMiB / 8);
+  for (int i = 0; i < 3; ++i) q.OnSave();
+  q.OnDeferred(16 * kMiB);
+  q.OnForwardStart();
+  EXPECT_EQ(q.limit(), 70 * kMiB + 70 * kMiB / 8 + 16 * kMiB);
+  // Nothing deferred, nothing taken back: the bound stays.
+  for (int i = 0; i < 3; ++i) q.OnSave();
+  q.OnSpill(10 * kMiB);
+  q.OnForwardStart();
+  EXPECT_EQ(q.limit(), 70 * kMiB + 70 * kMiB / 8 + 16 * kMiB);
+  // All taken back: nothing spilled before deferring, then a save at a time.
+  for (int i = 0; i < 3; ++i) q.OnSave();
+  q.OnSpill(4 * kMiB);
+  q.OnTakenBack(4 * kMiB);
+  q.OnForwardStart();
+  EXPECT_EQ(q.limit(), 0U);
+  EXPECT_FALSE(q.Admits(1));
+  for (int i = 0; i < 3; ++i) q.OnSave();
+  q.OnDeferred(3 * kMiB);
+  q.OnForwardStart();
+  EXPECT_EQ(q.limit(), 3 * kMiB);
+}
+
+TEST(ForwardSpillQuotaTest, AnotherForwardHasItsOwnBoundAndResetForgets) {
+  ForwardSpillQuota q;
+  for (int i = 0; i < 4; ++i) q.OnSave();
+  q.OnSpill(40 * kMiB);
+  q.OnTakenBack(20 * kMiB);
+  q.OnForwardStart();
+  ASSERT_EQ(q.limit(), 20 * kMiB);
+  // Two saves: another forward, which spilled what it deferred at its end.
+  q.OnSave();
+  q.OnSave();
+  EXPECT_FALSE(q.KeepsDeferred());
+  // With nothing taken back it has no bound; with some, its own.
+  q.OnSpill(20 * kMiB);
+  q.OnForwardStart();
+  EXPECT_FALSE(q.limit().has_value());
+  q.OnSave();
+  q.OnSpill(20 * kMiB);
+  q.OnTakenBack(5 * kMiB);
+  q.OnForwardStart();
+  ASSERT_EQ(q.limit(), 15 * kMiB);
+  q.Reset();
+  EXPECT_FALSE(q.limit().has_value());
+  EXPECT_FALSE(q.KeepsDeferred());
 }
 
 ForwardFootprint Footprint(size_t saving_high, size_t spilled_high, size_t room_taken = 0) {

@@ -71,6 +71,8 @@ def test_llm_step_on_the_simulated_device(tmp_path):
     link = data["meta"]["link"]
     assert link["sim_link_mb_per_s"] == bench.SIM_LINK_MB_PER_S
     assert link["d2h_gbps"] == link["h2d_gbps"] == bench.SIM_LINK_MB_PER_S * bench.MIB / 1e9
+    references = {(r["model"], r["seq"]): r for r in rows
+                  if r["config"] == "pytorch" and r["status"] == "ok"}
     for config in bench.SPILLWAY:
         spilled = [r for r in rows if r["config"] == config and r["status"] == "ok"
                    and r.get("to_host_per_step", 0) > 0]
@@ -82,6 +84,13 @@ def test_llm_step_on_the_simulated_device(tmp_path):
             assert r["bound"]["d2h_s"] == pytest.approx(
                 r["to_host_per_step"] / (bench.SIM_LINK_MB_PER_S * bench.MIB))
             assert r["step_over_bound"] == pytest.approx(r["median_step_s"] / r["bound"]["bound_s"])
+            # Memory held counts the blocks whose spill was still copying, which allocated
+            # bytes leave out; the forward's time gives the peak its bound.
+            assert r["peak_active"] >= r["peak_allocated"], r
+            ref = references.get((r["model"], r["seq"]))
+            if config not in bench.CHECKPOINTED and ref is not None:
+                assert r["bound"]["forward_s"] == ref["median_forward_s"]
+                assert r["bound"]["bound_s"] >= r["bound"]["peak_bound_s"]
         assert any("bound" in r for r in spilled), config
     # The frontier: the reference ran out of memory within the lengths tried, and Spillway
     # trained a longer length than it on some model.
@@ -105,24 +114,40 @@ def test_llm_step_on_the_simulated_device(tmp_path):
 
 @pytest.mark.models
 def test_the_simulated_link_holds_copies_to_its_bandwidth(tmp_path):
-    # At 16 MiB/s the link, not the CPU, sets eager's step time: each step's bytes to the host
-    # take longer to cross than the whole step takes with an unlimited link. Without the link
-    # model the step would be several times shorter than its bytes' crossing time.
-    result = run_bench(tmp_path, "--budget-s", "60", "--configs", "pytorch", "spillway_eager",
-                       "--models", "llama-w4096", "--seqs", "llama-w4096:64",
-                       "--sim-link-mb-per-s", "16", "--min-job-s", "1")
+    # At 16 MiB/s the link, not the CPU, sets eager's first step: its bytes to the host take
+    # longer to cross than the whole step takes with an unlimited link. Without the link model
+    # the step would be several times shorter than its bytes' crossing time. One step: the first
+    # forward spills every save (eager's bound comes from the forwards before).
+    result = run_bench(tmp_path / "one", "--budget-s", "60", "--configs", "pytorch",
+                       "spillway_eager", "--models", "llama-w4096", "--seqs", "llama-w4096:64",
+                       "--sim-link-mb-per-s", "16", "--min-job-s", "1", "--steps", "1")
     assert result.returncode == 0, result.stdout + result.stderr
-    data = json.loads((tmp_path / "llm_step.json").read_text())
+    data = json.loads((tmp_path / "one" / "llm_step.json").read_text())
     assert data["meta"]["link"]["sim_link_mb_per_s"] == 16
     [eager] = [r for r in data["rows"] if r["config"] == "spillway_eager"]
     assert eager["status"] == "ok" and eager["losses_vs_reference"] == "bitwise equal", eager
     crossing = eager["to_host_per_step"] / (16 * (1 << 20))
     assert crossing > 2 * eager["bound"]["compute_s"], eager
     assert eager["median_step_s"] >= crossing, eager
-    assert eager["bound"]["bound_s"] == pytest.approx(
+    assert eager["bound"]["link_bound_s"] == pytest.approx(
         max(crossing, eager["to_device_per_step"] / (16 * (1 << 20))))
+    assert eager["bound"]["bound_s"] >= eager["bound"]["link_bound_s"]
     summary = result.stdout.split("llm_step summary")[-1]
     assert "the simulated device's, 16 MiB/s each way" in summary
+
+    # Over four steps the first one's spills that backward took back (still copying) tell the
+    # later forwards how much the link carries before backward: they send less, and take
+    # nothing like as long (ForwardSpillQuota), with the same losses.
+    result = run_bench(tmp_path / "four", "--budget-s", "60", "--configs", "pytorch",
+                       "spillway_eager", "--models", "llama-w4096", "--seqs", "llama-w4096:64",
+                       "--sim-link-mb-per-s", "16", "--min-job-s", "1", "--steps", "4")
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads((tmp_path / "four" / "llm_step.json").read_text())
+    [bounded] = [r for r in data["rows"] if r["config"] == "spillway_eager"]
+    assert bounded["losses_vs_reference"] == "bitwise equal", bounded
+    assert bounded["to_host_per_step"] < eager["to_host_per_step"] / 2, (bounded, eager)
+    assert bounded["taken_back_per_step"] < eager["taken_back_per_step"] / 2, (bounded, eager)
+    assert bounded["median_step_s"] < crossing, (bounded, eager)
 
 
 def test_physical_bound_and_losses_against_the_reference():
@@ -150,6 +175,40 @@ def test_physical_bound_and_losses_against_the_reference():
     assert at_256["bound"]["compute_s"] == pytest.approx(scale)
     assert "FLOPs-scaled from 128" in at_256["bound"]["compute_basis"]
     assert at_256["losses_vs_reference"] == "no reference at this length"
+
+
+def test_memory_saved_is_read_from_memory_held_and_the_peak_bounds_the_step():
+    bench = load_bench()
+    model = dict(params=1000, vocab_size=10, hidden_size=4, layers=2, batch=1,
+                 tie_word_embeddings=False)
+    gb = 1e9
+    ref = {"model": "m", "config": "pytorch", "seq": 128, "status": "ok", "median_step_s": 1.0,
+           "median_forward_s": 0.3, "peak_allocated": 100 * gb, "peak_active": 100 * gb,
+           "losses": [1.0]}
+    # Its spills freed 60 GB by the allocator's count, but 20 GB of them were still copying at
+    # the peak: 40 GB held below the reference, which had to cross each way around the peak.
+    auto = {"model": "m", "config": "spillway_auto_half", "seq": 128, "status": "ok",
+            "median_step_s": 21.0, "median_forward_s": 5.0, "peak_allocated": 40 * gb,
+            "peak_active": 60 * gb, "losses": [1.0], "to_host_per_step": 12 * gb,
+            "to_device_per_step": 6 * gb}
+    old = dict(auto, config="spillway_eager")  # a row of a run from before peak_active
+    del old["peak_active"]
+    rows = [ref, auto, old]
+    bench.annotate(rows, {"m": model}, {"d2h_gbps": 10.0, "h2d_gbps": 4.0})
+    assert auto["saved_fraction"] == pytest.approx(0.4)
+    assert old["saved_fraction"] == pytest.approx(0.6)
+    bound = auto["bound"]
+    assert bound["link_bound_s"] == pytest.approx(1.5)  # 6 GB back at 4 GB/s
+    assert bound["saved_at_peak"] == 40 * gb
+    # max(forward 0.3, 40 GB / 10 GB/s) + max(the rest 0.7, 40 GB / 4 GB/s)
+    assert bound["peak_bound_s"] == pytest.approx(14.0)
+    assert bound["bound_s"] == pytest.approx(14.0)
+    assert auto["step_over_bound"] == pytest.approx(1.5)
+    # Without a base row at its length (FLOPs-scaled) the peak's bound is not given.
+    longer = dict(auto, seq=256)
+    bench.annotate([ref, longer], {"m": model}, {"d2h_gbps": 10.0, "h2d_gbps": 4.0})
+    assert "peak_bound_s" not in longer["bound"]
+    assert longer["bound"]["bound_s"] == longer["bound"]["link_bound_s"]
 
 
 # --- what the GPU run depends on, checked here (issue #37's first GPU run gets one try) -----------

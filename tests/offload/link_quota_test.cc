@@ -1,0 +1,151 @@
+// Eager's bound on a forward (ForwardSpillQuota): the saves backward took back, their copies to
+// the host still running when it wanted them, freed no memory; the next run of that forward
+// spills only what the last one got across, oldest first, and keeps its newest saves beyond it.
+// Through the engine: the bound's own arithmetic is in policy_test.cc.
+#include <chrono>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "tests/offload/fault_fixture.h"
+
+namespace spillway::testing {
+namespace {
+
+class OffloadLinkQuota : public OffloadFaultInjection {
+ protected:
+  void SetUp() override {
+    // No prefetch: a read's prefetch would take back the older saves too (while the copies to
+    // the host are held), and each test says which saves backward takes back.
+    OffloadConfig config = Policy(OffloadPolicy::kEager);
+    config.prefetch_bytes = 0;
+    Make(config, 128 * kMiB, std::chrono::microseconds{0});
+  }
+
+  // One forward: `count` saves of 4 MiB, none held by the program after its last save, then
+  // forward's end (eager spills what it may). Oldest first. `hold_copies_out`: the copies to the
+  // host do not run until the hold goes (backward starts before they are done).
+  std::vector<std::shared_ptr<TestStorage>> Forward(
+      int count, uint32_t seed,
+      std::unique_ptr<SimBackend::StreamHold>* hold_copies_out = nullptr) {
+    std::vector<std::shared_ptr<TestStorage>> saves;
+    for (int i = 0; i < count; ++i) {
+      saves.push_back(NewStorage(4 * kMiB, seed + static_cast<uint32_t>(i)));
+      ids_[saves.back().get()] = Save(saves.back());
+    }
+    for (const auto& s : saves) s->holders = 0;
+    if (hold_copies_out != nullptr) {
+      *hold_copies_out = backend_->hold_stream(0, engine_->d2h_stream_for_testing(0).handle);
+    }
+    engine_->ForwardEnd();
+    return saves;
+  }
+
+  // Backward reads `s` (checks its bytes) and lets it go.
+  void Read(const std::shared_ptr<TestStorage>& s, uint32_t seed) {
+    const KeeperId id = ids_.at(s.get());
+    EXPECT_EQ(AcquireAndRead(id, s->nbytes()), Pattern(s->nbytes(), seed));
+    engine_->RemoveKeeper(id);
+    ids_.erase(s.get());
+  }
+
+  int Spilled(const std::vector<std::shared_ptr<TestStorage>>& saves) {
+    int n = 0;
+    for (const auto& s : saves) n += StateOf(s) != Residency::kResident ? 1 : 0;
+    return n;
+  }
+
+  std::map<const TestStorage*, KeeperId> ids_;
+};
+
+TEST_F(OffloadLinkQuota, TheNextForwardKeepsWhatBackwardTookBack) {
+  // Forward 1 spills its four saves; backward starts while their copies are still queued, and
+  // takes the two newest back (8 MiB that the link did not carry in time).
+  std::unique_ptr<SimBackend::StreamHold> hold;
+  std::vector<std::shared_ptr<TestStorage>> first = Forward(4, 10, &hold);
+  ASSERT_EQ(Spilled(first), 4);
+  Read(first[3], 13);
+  Read(first[2], 12);
+  hold.reset();
+  engine_->Synchronize();
+  Read(first[1], 11);  // copied across before they were read: reloaded
+  Read(first[0], 10);
+  ASSERT_EQ(EngineStat("bytes_taken_back"), int64_t{8 * kMiB});
+  ASSERT_EQ(EngineStat("skipped.link"), 0);
+
+  // The same forward again: its two oldest saves go (8 MiB, what forward 1 got across), the two
+  // newest stay for backward.
+  std::vector<std::shared_ptr<TestStorage>> second = Forward(4, 20);
+  EXPECT_NE(StateOf(second[0]), Residency::kResident);
+  EXPECT_NE(StateOf(second[1]), Residency::kResident);
+  EXPECT_EQ(StateOf(second[2]), Residency::kResident) << "spilled past the link's bound";
+  EXPECT_EQ(StateOf(second[3]), Residency::kResident) << "spilled past the link's bound";
+  EXPECT_EQ(EngineStat("skipped.link"), 2);
+  engine_->Synchronize();
+  for (int i = 3; i >= 0; --i) Read(second[static_cast<size_t>(i)], 20 + static_cast<uint32_t>(i));
+  EXPECT_EQ(EngineStat("bytes_taken_back"), int64_t{8 * kMiB}) << "nothing more taken back";
+
+  // Nothing taken back, saves kept: the bound grows by a save (4 MiB, more than an eighth).
+  std::vector<std::shared_ptr<TestStorage>> third = Forward(4, 30);
+  EXPECT_EQ(Spilled(third), 3);
+  EXPECT_EQ(StateOf(third[3]), Residency::kResident);
+  engine_->Synchronize();
+  for (int i = 3; i >= 0; --i) Read(third[static_cast<size_t>(i)], 30 + static_cast<uint32_t>(i));
+
+  // Another forward (three saves) is not the one the bound was learned on: at its end it spills
+  // what the bound deferred.
+  std::vector<std::shared_ptr<TestStorage>> other = Forward(3, 40);
+  EXPECT_EQ(Spilled(other), 3);
+  engine_->Synchronize();
+  for (int i = 2; i >= 0; --i) Read(other[static_cast<size_t>(i)], 40 + static_cast<uint32_t>(i));
+  first.clear();
+  second.clear();
+  third.clear();
+  other.clear();
+  DropAllAndExpectNoLeaks({});
+}
+
+TEST_F(OffloadLinkQuota, TheOutOfMemoryRescueSpillsWhatTheBoundKept) {
+  std::unique_ptr<SimBackend::StreamHold> hold;
+  std::vector<std::shared_ptr<TestStorage>> first = Forward(2, 50, &hold);
+  Read(first[1], 51);
+  Read(first[0], 50);  // both taken back: the next run of the forward keeps both
+  hold.reset();
+  engine_->Synchronize();
+  std::vector<std::shared_ptr<TestStorage>> second = Forward(2, 60);
+  ASSERT_EQ(Spilled(second), 0);
+  ASSERT_EQ(EngineStat("skipped.link"), 2);
+  EXPECT_GE(engine_->ReleaseMemory(0, 8 * kMiB), size_t{8 * kMiB});
+  EXPECT_EQ(Spilled(second), 2);
+  Read(second[1], 61);
+  Read(second[0], 60);
+  first.clear();
+  second.clear();
+  DropAllAndExpectNoLeaks({});
+}
+
+TEST_F(OffloadLinkQuota, AnotherPolicyForgetsTheBound) {
+  std::unique_ptr<SimBackend::StreamHold> hold;
+  std::vector<std::shared_ptr<TestStorage>> first = Forward(2, 70, &hold);
+  Read(first[1], 71);
+  Read(first[0], 70);
+  hold.reset();
+  engine_->Synchronize();
+  OffloadConfig config = engine_->config();
+  config.policy = OffloadPolicy::kOff;
+  engine_->SetConfig(config);
+  config.policy = OffloadPolicy::kEager;
+  engine_->SetConfig(config);
+  std::vector<std::shared_ptr<TestStorage>> second = Forward(2, 80);
+  EXPECT_EQ(Spilled(second), 2);
+  EXPECT_EQ(EngineStat("skipped.link"), 0);
+  engine_->Synchronize();
+  Read(second[1], 81);
+  Read(second[0], 80);
+  first.clear();
+  second.clear();
+  DropAllAndExpectNoLeaks({});
+}
+
+}  // namespace
+}  // namespace spillway::testing
