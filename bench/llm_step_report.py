@@ -90,9 +90,9 @@ def annotate(rows, models, link):
         h2d = r["to_device_per_step"] / h2d_bps
         bound = {"compute_s": compute, "compute_basis": f"{base_config}, {basis}",
                  "d2h_s": d2h, "h2d_s": h2d, "link_bound_s": max(compute, d2h, h2d)}
-        forward = scaled({s: b for s, b in base.items() if "median_forward_s" in b},
-                         "median_forward_s", m, r["seq"])[0]
-        if r["seq"] in base and forward is not None:
+        # Only where the base row ran at this length: its held memory is what the row saved from.
+        forward = base.get(r["seq"], {}).get("median_forward_s")
+        if forward is not None:
             saved = max(0, held(base[r["seq"]]) - held(r))
             bound.update(forward_s=forward, saved_at_peak=saved, peak_bound_s=(
                 max(forward, saved / d2h_bps) + max(compute - forward, saved / h2d_bps)))

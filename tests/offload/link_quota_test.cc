@@ -49,6 +49,22 @@ class OffloadLinkQuota : public OffloadFaultInjection {
     ids_.erase(s.get());
   }
 
+  // Backward: reads `saves` (made by Forward with `seed`) newest first.
+  void Backward(const std::vector<std::shared_ptr<TestStorage>>& saves, uint32_t seed) {
+    for (size_t i = saves.size(); i-- > 0;) Read(saves[i], seed + static_cast<uint32_t>(i));
+  }
+
+  // A forward of `count` saves whose backward takes every one back (their copies to the host
+  // held until it is over): the next run of it spills nothing.
+  void ForwardAllTakenBack(int count, uint32_t seed) {
+    std::unique_ptr<SimBackend::StreamHold> hold;
+    const std::vector<std::shared_ptr<TestStorage>> saves = Forward(count, seed, &hold);
+    Backward(saves, seed);
+    hold.reset();
+    engine_->Synchronize();
+    ASSERT_EQ(EngineStat("bytes_taken_back"), int64_t{count} * int64_t{4 * kMiB});
+  }
+
   int Spilled(const std::vector<std::shared_ptr<TestStorage>>& saves) {
     int n = 0;
     for (const auto& s : saves) n += StateOf(s) != Residency::kResident ? 1 : 0;
@@ -82,7 +98,7 @@ TEST_F(OffloadLinkQuota, TheNextForwardKeepsWhatBackwardTookBack) {
   EXPECT_EQ(StateOf(second[3]), Residency::kResident) << "spilled past the link's bound";
   EXPECT_EQ(EngineStat("skipped.link"), 2);
   engine_->Synchronize();
-  for (int i = 3; i >= 0; --i) Read(second[static_cast<size_t>(i)], 20 + static_cast<uint32_t>(i));
+  Backward(second, 20);
   EXPECT_EQ(EngineStat("bytes_taken_back"), int64_t{8 * kMiB}) << "nothing more taken back";
 
   // Nothing taken back, saves kept: the bound grows by a save (4 MiB, more than an eighth).
@@ -90,14 +106,14 @@ TEST_F(OffloadLinkQuota, TheNextForwardKeepsWhatBackwardTookBack) {
   EXPECT_EQ(Spilled(third), 3);
   EXPECT_EQ(StateOf(third[3]), Residency::kResident);
   engine_->Synchronize();
-  for (int i = 3; i >= 0; --i) Read(third[static_cast<size_t>(i)], 30 + static_cast<uint32_t>(i));
+  Backward(third, 30);
 
   // Another forward (three saves) is not the one the bound was learned on: at its end it spills
   // what the bound deferred.
   std::vector<std::shared_ptr<TestStorage>> other = Forward(3, 40);
   EXPECT_EQ(Spilled(other), 3);
   engine_->Synchronize();
-  for (int i = 2; i >= 0; --i) Read(other[static_cast<size_t>(i)], 40 + static_cast<uint32_t>(i));
+  Backward(other, 40);
   first.clear();
   second.clear();
   third.clear();
@@ -106,31 +122,19 @@ TEST_F(OffloadLinkQuota, TheNextForwardKeepsWhatBackwardTookBack) {
 }
 
 TEST_F(OffloadLinkQuota, TheOutOfMemoryRescueSpillsWhatTheBoundKept) {
-  std::unique_ptr<SimBackend::StreamHold> hold;
-  std::vector<std::shared_ptr<TestStorage>> first = Forward(2, 50, &hold);
-  Read(first[1], 51);
-  Read(first[0], 50);  // both taken back: the next run of the forward keeps both
-  hold.reset();
-  engine_->Synchronize();
+  ForwardAllTakenBack(2, 50);  // the next run of the forward keeps both saves
   std::vector<std::shared_ptr<TestStorage>> second = Forward(2, 60);
   ASSERT_EQ(Spilled(second), 0);
   ASSERT_EQ(EngineStat("skipped.link"), 2);
   EXPECT_GE(engine_->ReleaseMemory(0, 8 * kMiB), size_t{8 * kMiB});
   EXPECT_EQ(Spilled(second), 2);
-  Read(second[1], 61);
-  Read(second[0], 60);
-  first.clear();
+  Backward(second, 60);
   second.clear();
   DropAllAndExpectNoLeaks({});
 }
 
 TEST_F(OffloadLinkQuota, AnotherPolicyForgetsTheBound) {
-  std::unique_ptr<SimBackend::StreamHold> hold;
-  std::vector<std::shared_ptr<TestStorage>> first = Forward(2, 70, &hold);
-  Read(first[1], 71);
-  Read(first[0], 70);
-  hold.reset();
-  engine_->Synchronize();
+  ForwardAllTakenBack(2, 70);
   OffloadConfig config = engine_->config();
   config.policy = OffloadPolicy::kOff;
   engine_->SetConfig(config);
@@ -140,9 +144,7 @@ TEST_F(OffloadLinkQuota, AnotherPolicyForgetsTheBound) {
   EXPECT_EQ(Spilled(second), 2);
   EXPECT_EQ(EngineStat("skipped.link"), 0);
   engine_->Synchronize();
-  Read(second[1], 81);
-  Read(second[0], 80);
-  first.clear();
+  Backward(second, 80);
   second.clear();
   DropAllAndExpectNoLeaks({});
 }
