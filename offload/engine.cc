@@ -368,6 +368,7 @@ bool OffloadEngine::Reload(EngineLock& lock, Entry& e, StreamRef consumer, bool 
   // drops it (its last keeper's going leaves that to this call), and nothing reads its storage's
   // pointer.
   e.allocating = true;
+  State(e.device).reloading_bytes += e.nbytes;
   void* ptr = nullptr;
   std::exception_ptr failure;
   {
@@ -383,6 +384,7 @@ bool OffloadEngine::Reload(EngineLock& lock, Entry& e, StreamRef consumer, bool 
     }
   }
   e.allocating = false;
+  State(e.device).reloading_bytes -= e.nbytes;
   allocated_.notify_all();
   if (e.keepers.empty()) {  // only a prefetch's entry can go meanwhile: a read keeps its own
     if (ptr != nullptr) e.storage->drop_device_memory();

@@ -201,6 +201,8 @@ class OffloadEngine {
     int64_t spilled_bytes = 0;    // see spilled_bytes(device)
     ForwardFootprint footprint;   // what adaptive prefetch knows of the latest forward
     ForwardSpillQuota quota;      // how many bytes of a forward eager spills
+    ForwardSpillAhead ahead;      // how many bytes of a forward auto spills as it saves them
+    size_t reloading_bytes = 0;   // spilled saves whose reload is allocating (still spilled)
     uint64_t forward = 1;         // forwards begun (a save after a read begins one)
     bool saved_on = false;        // a save was made on the device
   };
@@ -313,6 +315,8 @@ class OffloadEngine {
   size_t GiveBackPrefetches(int device, size_t target_allocated);
   // `auto`'s budget with `incoming_bytes` about to be allocated (PlanBudget), carried out.
   void SpillToBudget(int device, size_t incoming_bytes);
+  // `auto` after a save: the saves of the device's forward it spills ahead (ForwardSpillAhead).
+  void SpillAhead(int device);
   // Reloads spilled saves of `device` older than `before_seq`, newest first, on `consumer`, as
   // far as a PrefetchPlan admits.
   void Prefetch(EngineLock& lock, int device, uint64_t before_seq, StreamRef consumer);

@@ -29,10 +29,17 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   // Forward's footprint, which adaptive prefetch keeps backward within (the saved bytes are still
   // allocated now: a policy spills them only below).
   DeviceState& state = State(e.device);
-  if (state.footprint.OnSave(AllocatedBytes(e.device))) {
+  const size_t allocated = AllocatedBytes(e.device);
+  const auto spilled = static_cast<size_t>(state.spilled_bytes);
+  if (state.footprint.OnSave(allocated)) {
     state.quota.OnForwardStart();
+    // (The budget is asked for only under auto: on CUDA the query makes the device's context.)
+    if (config_.policy == OffloadPolicy::kAuto) {
+      state.ahead.OnForwardStart(BudgetTarget(BudgetLocked(e.device)), allocated, spilled);
+    }
     ++state.forward;
   }
+  state.ahead.OnSave(allocated, spilled);
   if (!state.saved_on) {
     state.saved_on = true;
     ++saving_devices_;

@@ -74,8 +74,29 @@ void OffloadEngine::RunPolicyLocked(bool forward_end) {
   if (config_.policy == OffloadPolicy::kEager) {
     Carry(PlanEager(forward_end), kAllDevices);
   } else if (config_.policy == OffloadPolicy::kAuto) {
-    for (int d = 0; d < static_cast<int>(devices_.size()); ++d) SpillToBudget(d, 0);
+    for (int d = 0; d < static_cast<int>(devices_.size()); ++d) {
+      SpillAhead(d);
+      SpillToBudget(d, 0);
+    }
   }
+}
+
+void OffloadEngine::SpillAhead(int device) {
+  DeviceState& state = State(device);
+  ForwardSpillAhead& ahead = state.ahead;
+  if (ahead.Done()) return;
+  SpillPass pass;
+  // As the budget would, oldest first, outside the prefetch window; only this forward's saves
+  // (what an older one left is not what the bytes were learned on).
+  table_.VisitSpillCandidates(table_.WindowStart(device), PolicyMaySpill, [&](Entry& e) {
+    if (e.device != device || e.forward != state.forward || !Eligible(e)) return true;
+    if (!ahead.Admits(e.nbytes)) {
+      ahead.OnStopped();
+      return false;
+    }
+    SpillInPass(e, pass);  // counted in `ahead` there
+    return !ahead.Done();
+  });
 }
 
 void OffloadEngine::SpillToBudget(int device, size_t incoming_bytes) {
@@ -84,6 +105,12 @@ void OffloadEngine::SpillToBudget(int device, size_t incoming_bytes) {
   const size_t allocated = AllocatedBytes(device);
   if (allocated + incoming_bytes == 0) return;
   if (const auto plan = PlanBudget(allocated, incoming_bytes, BudgetLocked(device))) {
+    // (A reload's allocation is the one coming: its bytes are spilled no more.)
+    DeviceState& state = State(device);
+    state.ahead.OnBudgetReached(
+        allocated + incoming_bytes,
+        static_cast<size_t>(state.spilled_bytes) -
+            std::min(static_cast<size_t>(state.spilled_bytes), state.reloading_bytes));
     Carry(*plan, device);
   }
 }
@@ -161,9 +188,13 @@ void OffloadEngine::SpillInPass(Entry& e, SpillPass& pass) {
   // pinned memory; a copy that could not be issued; a resized storage): nothing released.
   const SpillResult result = Spill(e);
   switch (result.outcome) {
-    case SpillOutcome::kSpilled:
+    case SpillOutcome::kSpilled: {
       pass.released += result.block_bytes;
+      // A save of this forward spilled, ahead or not: auto spills ahead that much less.
+      DeviceState& state = State(e.device);
+      if (e.forward == state.forward) state.ahead.OnSpill(e.nbytes);
       break;
+    }
     case SpillOutcome::kNoHostMemory:
       pass.no_host_from = e.nbytes;
       pass.no_host_reason = e.skipped_for;
@@ -293,10 +324,13 @@ void OffloadEngine::SetConfig(const OffloadConfig& config) {
   // nest, and each one sets the configuration as it starts and ends).
   const bool new_window = config.prefetch_bytes != config_.prefetch_bytes;
   const bool new_host_limit = config.host_limit_bytes != config_.host_limit_bytes;
-  // What eager learned of its forwards (ForwardSpillQuota) is its own: another policy's forwards
-  // say nothing of it.
+  // What eager and auto learned of their forwards (ForwardSpillQuota, ForwardSpillAhead) is their
+  // own: another policy's forwards say nothing of it.
   if (config.policy != config_.policy) {
-    for (DeviceState& state : devices_) state.quota.Reset();
+    for (DeviceState& state : devices_) {
+      state.quota.Reset();
+      state.ahead.Reset();
+    }
   }
   config_ = config;
   if (new_host_limit) copies_.SetHostLimit(config_.host_limit_bytes);

@@ -29,16 +29,34 @@ void ForwardSpillQuota::OnForwardStart() {
   saves_ = spilled_ = taken_back_ = first_deferred_ = 0;
 }
 
+void ForwardSpillAhead::OnSave(size_t allocated, size_t spilled) {
+  if (!first_.has_value()) first_ = allocated + spilled;
+  save_high_ = std::max(save_high_, allocated + spilled);
+}
+
+void ForwardSpillAhead::OnForwardStart(size_t target, size_t allocated, size_t spilled) {
+  // Unseen (nothing reached the budget): as it was.
+  if (reached_high_ > 0) excess_ = reached_high_ > save_high_ ? reached_high_ - save_high_ : 0;
+  const size_t rise = save_high_ - std::min(save_high_, first_.value_or(save_high_)) + excess_;
+  const size_t high = allocated + spilled + rise;
+  ahead_ = high > target ? high - target : 0;
+  first_.reset();
+  save_high_ = reached_high_ = spilled_ = 0;
+  stopped_ = false;
+}
+
 SpillPlan PlanEager(bool forward_end) {
   return SpillPlan{std::nullopt, SpillPlan::Spills::kAllEligible, 0, false, false, forward_end};
 }
 
 std::optional<SpillPlan> PlanBudget(size_t allocated, size_t incoming, size_t budget) {
   if (allocated + incoming <= budget) return std::nullopt;
-  const size_t target = budget - budget / 16;
+  const size_t target = BudgetTarget(budget);
   const size_t goal = target > incoming ? target - incoming : 0;
   return SpillPlan{goal, SpillPlan::Spills::kToTarget, goal, false, true};
 }
+
+size_t BudgetTarget(size_t budget) { return budget - budget / 16; }
 
 SpillPlan PlanRescue(OffloadPolicy policy, size_t allocated, size_t bytes) {
   const size_t target = allocated > bytes ? allocated - bytes : 0;

@@ -7,6 +7,7 @@
 // (tests/offload/policy_test.cc).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <optional>
 
@@ -83,6 +84,59 @@ class ForwardSpillQuota {
   size_t first_deferred_ = 0;  // the first save deferred (0: none)
 };
 
+// Per device: how many bytes `auto` spills as a forward saves them, before its budget asks.
+// A spill made when an allocation reaches the budget frees its block only once its copy to the
+// host has read it (nothing may reuse the block before): spills made at the forward's peak free
+// nothing there, the device holds more than the budget while their copies run (the allocator
+// waits for them, or takes more memory), and the copies cross after the forward, where backward
+// waits for the link. The same saves spilled as the forward makes them, oldest first (the ones
+// the budget takes first, read last in backward), copy while the forward computes and have freed
+// their blocks by its peak.
+// How many: what the device would hold with nothing spilled (allocated plus spilled bytes) rose
+// to in the run of the forward before, above what it held at that forward's first save, is how
+// much this one adds to what it holds at its own (weights' gradients, optimizer states, an
+// accumulated gradient may come and go between forwards: the growth is the forward's own); what
+// that reaches above the budget's target (BudgetTarget) is spilled ahead. The rise is the one at
+// its saves, plus how far the allocations that reached the budget (the loss's, backward's) went
+// above them; a forward that spills ahead reaches the budget no more, so that excess is kept from
+// the last forward that did, and the part at the saves is learned anew each time (a smaller
+// forward spills less). The budget still holds where a forward grew: it spills the rest as
+// before. No timing.
+class ForwardSpillAhead {
+ public:
+  // What the device would hold with nothing spilled, `allocated` and `spilled` bytes, at a save
+  // (OnSave) or at an allocation past the budget, counted in `allocated` (OnBudgetReached).
+  void OnSave(size_t allocated, size_t spilled);
+  void OnBudgetReached(size_t allocated, size_t spilled) {
+    reached_high_ = std::max(reached_high_, allocated + spilled);
+  }
+  // Whether a save of this forward of `bytes` is spilled now: until its spills reach the bytes
+  // to spill ahead; once one did not fit, no later one does (oldest first, as the budget would).
+  bool Admits(size_t bytes) const { return !stopped_ && spilled_ + bytes <= ahead_; }
+  // A save of this forward spilled (ahead, or by the budget: both count).
+  void OnSpill(size_t bytes) { spilled_ += bytes; }
+  void OnStopped() { stopped_ = true; }
+  // Nothing more to spill ahead in this forward.
+  bool Done() const { return stopped_ || spilled_ >= ahead_; }
+  // Another forward begins (before its first save is told) on a device whose budget's target is
+  // `target`: the bytes it spills ahead, from the forward that ended.
+  void OnForwardStart(size_t target, size_t allocated, size_t spilled);
+  // Forgets what was learned (another policy ran: its forwards say nothing of auto's).
+  void Reset() { *this = ForwardSpillAhead(); }
+  size_t ahead() const { return ahead_; }
+
+ private:
+  // This forward's, with nothing spilled: held at its first save, the most at a save, and the
+  // most at an allocation past the budget (0: none).
+  std::optional<size_t> first_;
+  size_t save_high_ = 0;
+  size_t reached_high_ = 0;
+  size_t excess_ = 0;   // how far the allocations past the budget went above the saves
+  size_t ahead_ = 0;    // bytes of this forward's saves to spill as they come
+  size_t spilled_ = 0;  // of this forward's saves, spilled so far
+  bool stopped_ = false;
+};
+
 // What a policy asks of the engine. First, unread prefetches are given back (no copy: their host
 // copies are kept) until allocated bytes reach `give_back_to`; then eligible saves are spilled,
 // oldest first.
@@ -116,6 +170,8 @@ SpillPlan PlanEager(bool forward_end);
 // do not ask again) less what is coming. Prefetches nobody read go first: one costs no copy now,
 // where a spill costs one each way.
 std::optional<SpillPlan> PlanBudget(size_t allocated, size_t incoming, size_t budget);
+// The allocated bytes `auto` spills down to on a device of `budget`: a sixteenth below it.
+size_t BudgetTarget(size_t budget);
 // The out-of-memory rescue: `bytes` below `allocated`, prefetches first, then (except under
 // "off") any eligible save.
 SpillPlan PlanRescue(OffloadPolicy policy, size_t allocated, size_t bytes);

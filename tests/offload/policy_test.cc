@@ -172,6 +172,70 @@ TEST(ForwardSpillQuotaTest, AnotherForwardHasItsOwnBoundAndResetForgets) {
   EXPECT_FALSE(q.KeepsDeferred());
 }
 
+TEST(ForwardSpillAheadTest, NothingAheadUntilAForwardEndedAboveTheTarget) {
+  ForwardSpillAhead a;
+  EXPECT_FALSE(a.Admits(1)) << "the first forward spills nothing ahead";
+  EXPECT_TRUE(a.Done());
+  a.OnSave(10 * kMiB, 0);
+  a.OnSave(80 * kMiB, 0);
+  a.OnForwardStart(100 * kMiB, 10 * kMiB, 0);
+  EXPECT_EQ(a.ahead(), 0u) << "below the target";
+  EXPECT_TRUE(a.Done());
+}
+
+TEST(ForwardSpillAheadTest, WhatTheLastForwardAddedAboveTheTargetWithNothingSpilled) {
+  ForwardSpillAhead a;
+  // From 20 MiB at its first save, it rose to 110 with nothing spilled (60 allocated, 50
+  // spilled): 90 MiB. Begun at 20 again, the next run reaches 110, 30 above a target of 80.
+  a.OnSave(20 * kMiB, 0);
+  a.OnSave(60 * kMiB, 50 * kMiB);
+  a.OnSave(70 * kMiB, 10 * kMiB);
+  a.OnForwardStart(80 * kMiB, 20 * kMiB, 0);
+  ASSERT_EQ(a.ahead(), 30 * kMiB);
+  a.OnSave(20 * kMiB, 0);
+  EXPECT_TRUE(a.Admits(30 * kMiB));
+  a.OnSpill(24 * kMiB);
+  EXPECT_FALSE(a.Admits(8 * kMiB));
+  EXPECT_TRUE(a.Admits(6 * kMiB));
+  EXPECT_FALSE(a.Done());
+  a.OnStopped();
+  EXPECT_FALSE(a.Admits(1)) << "oldest first: after one that did not fit, none";
+  EXPECT_TRUE(a.Done());
+  // It rose by 70 only (a smaller forward); the next begins with 15 MiB more held (gradients
+  // kept for accumulation): 105, 25 above the target.
+  a.OnSave(30 * kMiB, 60 * kMiB);
+  a.OnForwardStart(80 * kMiB, 35 * kMiB, 0);
+  EXPECT_EQ(a.ahead(), 25 * kMiB);
+  a.OnSpill(25 * kMiB);
+  EXPECT_TRUE(a.Done());
+}
+
+TEST(ForwardSpillAheadTest, AllocationsPastTheBudgetAboveTheSavesAreKept) {
+  ForwardSpillAhead a;
+  a.OnSave(0, 0);
+  a.OnSave(100 * kMiB, 0);
+  // The loss's allocations went 20 MiB above the highest save.
+  a.OnBudgetReached(110 * kMiB, 10 * kMiB);
+  a.OnForwardStart(80 * kMiB, 0, 0);
+  ASSERT_EQ(a.ahead(), 40 * kMiB);
+  // Spilled ahead, the next forward reaches the budget no more: the excess stays.
+  a.OnSave(0, 0);
+  a.OnSave(70 * kMiB, 30 * kMiB);
+  a.OnForwardStart(80 * kMiB, 0, 0);
+  EXPECT_EQ(a.ahead(), 40 * kMiB);
+  // It reached it at a save: no excess any more.
+  a.OnSave(0, 0);
+  a.OnSave(70 * kMiB, 30 * kMiB);
+  a.OnBudgetReached(85 * kMiB, 10 * kMiB);
+  a.OnForwardStart(80 * kMiB, 0, 0);
+  EXPECT_EQ(a.ahead(), 20 * kMiB);
+  a.Reset();
+  a.OnSave(0, 0);
+  a.OnSave(70 * kMiB, 0);
+  a.OnForwardStart(60 * kMiB, 0, 0);
+  EXPECT_EQ(a.ahead(), 10 * kMiB) << "what it learned before the reset is gone";
+}
+
 ForwardFootprint Footprint(size_t saving_high, size_t spilled_high, size_t room_taken = 0) {
   ForwardFootprint f;
   f.saving_high = saving_high;

@@ -44,6 +44,48 @@ def test_auto_holds_the_peak_at_the_budget():
     assert stat("spillway.num_spills") > 0
 
 
+def test_auto_spills_ahead_from_the_second_step():
+    """auto learns from a forward how far it went above its budget and, from the next one on,
+    spills that much of its oldest saves as they are made, so that their copies run during the
+    forward rather than at its peak: the second and third steps have spilled by the end of their
+    first layer, far below the budget, and the memory they hold (a spill's block counts until its
+    copy has read it) stays within the budget. The first, which had nothing to learn from, had
+    spilled nothing there, and held 1.6x its budget at its peak (measured 2026-12-07: the blocks
+    its spills at the peak freed were still being read)."""
+    import torch
+
+    base_losses, base_peak = measured(None)
+    budget = base_peak // 2
+    at_first_layer = [[]]
+
+    def after_layer(module, args, output):
+        if isinstance(module, torch.nn.TransformerEncoderLayer) and not at_first_layer[-1]:
+            at_first_layer[-1].append(stat("spillway.spilled_bytes.current"))
+
+    def on_step():
+        if len(at_first_layer) == 1:  # the later steps' peaks from here
+            spillway.synchronize()
+            spillway.reset_peak_stats()
+        at_first_layer.append([])
+
+    with spillway.offload("off"):
+        pass  # another policy: auto forgets what it learned of earlier tests' forwards
+    handle = torch.nn.modules.module.register_module_forward_hook(after_layer)
+    try:
+        losses, _ = tiny_lm.train(
+            steps=3, on_step=on_step,
+            offload=lambda: spillway.offload("auto", budget_bytes=budget, min_bytes=0,
+                                             prefetch_bytes=PREFETCH))
+    finally:
+        handle.remove()
+    assert losses == base_losses
+    spilled = [step[0] for step in at_first_layer[:3]]
+    assert spilled[0] == 0 and spilled[1] > 0 and spilled[2] > 0, spilled
+    slack = 1 << 20
+    held = stat("active_bytes.all.peak")
+    assert held <= budget + slack, f"held {held} against a budget of {budget}"
+
+
 def test_auto_reserves_little_more_than_its_budget():
     def reserved_peak(offload):
         spillway.empty_cache()  # no segments cached by earlier runs
