@@ -58,7 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # The parts: what they share, the child's job, its process, the report.
 from llm_step_common import (  # noqa: E402
     AUTO_FRACTION, CONFIGS, GIB, HERE, HOST_OFFLOAD, LABELS, MIB, MODELS, SIM_LINK_MB_PER_S,
-    WEIGHT)
+    WARMUP_STEPS, WEIGHT)
 from llm_step_job import llama_config, run_job  # noqa: E402
 from llm_step_proc import STOP, host_ram_bytes, job_window, run_forked  # noqa: E402
 from llm_step_report import annotate, frontier, markdown, ok_rows, plot, summary  # noqa: E402
@@ -457,8 +457,9 @@ def main():
     parser.add_argument("--budget-s", type=float, default=None,
                         help="wall-clock budget of the whole matrix (default: 60 on sim, 420 on "
                         "cuda)")
-    parser.add_argument("--steps", type=int, default=3,
-                        help="steps per length, the first one warm-up (default 3)")
+    parser.add_argument("--steps", type=int, default=4,
+                        help=f"steps per length, the first {WARMUP_STEPS} warm-up (fewer with 2 "
+                        "or 1 step; default 4)")
     parser.add_argument("--models", nargs="+", default=None, help="default: every model")
     parser.add_argument("--configs", nargs="+", default=[c for c, _ in CONFIGS],
                         choices=[c for c, _ in CONFIGS])

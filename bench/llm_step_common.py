@@ -35,6 +35,8 @@ WEIGHT = {"pytorch": 2.0, "spillway_eager": 1.5, "spillway_auto": 1.5, "compile_
 # to one CPU thread's compute that the link binds, as PCIe does next to an H100's, so that the
 # bounds and stalls of the sim run mean something. Set from measurements: see docs/benchmarks.md.
 SIM_LINK_MB_PER_S = 256
+# Steps of each length before the timed ones (llm_step_job.train_length).
+WARMUP_STEPS = 2
 
 # The real models (CUDA, bf16) and their simulated-device analogues (fp32, tiny). "layers": "fill"
 # stacks decoder layers until weights, gradients and AdamW's two states take --fill of the GPU.

@@ -13,7 +13,7 @@ import time
 import traceback
 import types
 
-from llm_step_common import CHECKPOINTED, COMPILE_MIN_BYTES, GIB, MIB, SPILLWAY
+from llm_step_common import CHECKPOINTED, COMPILE_MIN_BYTES, GIB, MIB, SPILLWAY, WARMUP_STEPS
 from llm_step_report import flops_per_step
 
 
@@ -534,8 +534,12 @@ def train_length(torch, model, spec, seq, dev, config, make_peer, budget, min_by
     # The forward's own time, for the bounds (llm_step_report.annotate): on CUDA between events on
     # the compute stream, so that the host, which runs ahead, need not wait for it.
     cuda_events = dev == "cuda"
+    # Warm-up: the first step makes lazy state (AdamW's, caches), and Spillway's policies learn
+    # from the runs of a forward before (eager's bound on its spills needs two, auto's spills
+    # ahead of its budget one): the steps after warm-up are the ones a training run repeats.
+    warmup = min(WARMUP_STEPS, steps - 1)
     for step in range(steps):
-        if step == 1:  # the first step is warm-up: lazy initialisation, AdamW's states, caches
+        if step == warmup and step > 0:
             sync()
             if spillway is not None:
                 spillway.reset_peak_stats()
@@ -567,7 +571,7 @@ def train_length(torch, model, spec, seq, dev, config, make_peer, budget, min_by
         del loss, ids
     after = counters()
     s = stats()
-    timed = times[1:] if len(times) > 1 else times
+    timed = times[warmup:]
     n = len(timed)
     median = statistics.median(timed)
     # peak_active: the most memory held for tensors, blocks whose free waits for a copy still
@@ -575,7 +579,7 @@ def train_length(torch, model, spec, seq, dev, config, make_peer, budget, min_by
     # Allocated bytes leave those out, and would count a spill as memory saved before it is.
     result = dict(
         losses=losses, step_times=[round(t, 6) for t in times], median_step_s=median,
-        median_forward_s=statistics.median(forward_times[1:] if n < len(times) else forward_times),
+        median_forward_s=statistics.median(forward_times[warmup:]),
         tokens_per_s=batch * seq / median, peak_allocated=s["allocated_bytes.all.peak"],
         peak_active=s["active_bytes.all.peak"], peak_reserved=s["reserved_bytes.all.peak"],
         base_allocated=bases[-1])

@@ -17,13 +17,23 @@ void ForwardFootprint::OnSpilledBytes(size_t spilled_now) {
 }
 
 void ForwardSpillQuota::OnForwardStart() {
-  const bool same = limit_.has_value() && saves_ == learned_saves_;
+  const bool again = saves_ == learned_saves_;  // as many saves as the run before
+  const bool same = limit_.has_value() && again;
   if (taken_back_ > 0) {
-    limit_ = spilled_ - std::min(spilled_, taken_back_);
-  } else if (same && first_deferred_ > 0) {
-    limit_ = *limit_ + std::max(*limit_ / 8, first_deferred_);
-  } else if (!same) {
-    limit_.reset();  // another forward that had nothing taken back: no bound
+    const size_t across = spilled_ - std::min(spilled_, taken_back_);
+    if (limit_.has_value()) {
+      limit_ = across;
+    } else if (unbound_across_.has_value() && again) {
+      limit_ = std::max(*unbound_across_, across);  // taken back in two runs running
+    }
+    unbound_across_ = limit_.has_value() ? std::nullopt : std::optional<size_t>(across);
+  } else {
+    unbound_across_.reset();
+    if (same && first_deferred_ > 0) {
+      limit_ = *limit_ + std::max(*limit_ / 8, first_deferred_);
+    } else if (!same) {
+      limit_.reset();  // another forward that had nothing taken back: no bound
+    }
   }
   learned_saves_ = saves_;
   saves_ = spilled_ = taken_back_ = first_deferred_ = 0;

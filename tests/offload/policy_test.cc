@@ -102,8 +102,41 @@ TEST(ForwardSpillQuotaTest, NoBoundUntilSomethingIsTakenBack) {
   EXPECT_FALSE(q.KeepsDeferred());
 }
 
-TEST(ForwardSpillQuotaTest, WhatTheLastRunGotAcrossThenGrowing) {
+TEST(ForwardSpillQuotaTest, OneRunTakenBackAloneSetsNoBound) {
   ForwardSpillQuota q;
+  // A first step's take-backs, then none: never bound.
+  for (int i = 0; i < 3; ++i) q.OnSave();
+  q.OnSpill(100 * kMiB);
+  q.OnTakenBack(30 * kMiB);
+  q.OnForwardStart();
+  EXPECT_FALSE(q.limit().has_value());
+  for (int i = 0; i < 3; ++i) q.OnSave();
+  q.OnSpill(100 * kMiB);
+  q.OnForwardStart();
+  EXPECT_FALSE(q.limit().has_value());
+  // Taken back again, then once more: bound from then on.
+  for (int i = 0; i < 3; ++i) q.OnSave();
+  q.OnSpill(100 * kMiB);
+  q.OnTakenBack(10 * kMiB);
+  q.OnForwardStart();
+  EXPECT_FALSE(q.limit().has_value()) << "the run before took nothing back";
+  // Another forward (two saves) between two runs taken back is no run of the same forward.
+  for (int i = 0; i < 2; ++i) q.OnSave();
+  q.OnSpill(100 * kMiB);
+  q.OnTakenBack(10 * kMiB);
+  q.OnForwardStart();
+  EXPECT_FALSE(q.limit().has_value());
+}
+
+TEST(ForwardSpillQuotaTest, WhatTheLastRunsGotAcrossThenGrowing) {
+  ForwardSpillQuota q;
+  // Taken back in two runs running: the more of what they got across (the smaller bound held
+  // more than needed in the run that got more across).
+  for (int i = 0; i < 3; ++i) q.OnSave();
+  q.OnSpill(100 * kMiB);
+  q.OnTakenBack(40 * kMiB);
+  q.OnForwardStart();
+  ASSERT_FALSE(q.limit().has_value());
   for (int i = 0; i < 3; ++i) q.OnSave();
   q.OnSpill(60 * kMiB);
   q.OnSpill(40 * kMiB);
@@ -134,7 +167,8 @@ TEST(ForwardSpillQuotaTest, WhatTheLastRunGotAcrossThenGrowing) {
   q.OnSpill(10 * kMiB);
   q.OnForwardStart();
   EXPECT_EQ(q.limit(), 70 * kMiB + 70 * kMiB / 8 + 16 * kMiB);
-  // All taken back: nothing spilled before deferring, then a save at a time.
+  // All taken back (bound: once is enough): nothing spilled before deferring, then a save at a
+  // time.
   for (int i = 0; i < 3; ++i) q.OnSave();
   q.OnSpill(4 * kMiB);
   q.OnTakenBack(4 * kMiB);
@@ -149,23 +183,27 @@ TEST(ForwardSpillQuotaTest, WhatTheLastRunGotAcrossThenGrowing) {
 
 TEST(ForwardSpillQuotaTest, AnotherForwardHasItsOwnBoundAndResetForgets) {
   ForwardSpillQuota q;
-  for (int i = 0; i < 4; ++i) q.OnSave();
-  q.OnSpill(40 * kMiB);
-  q.OnTakenBack(20 * kMiB);
-  q.OnForwardStart();
+  for (int run = 0; run < 2; ++run) {
+    for (int i = 0; i < 4; ++i) q.OnSave();
+    q.OnSpill(40 * kMiB);
+    q.OnTakenBack(20 * kMiB);
+    q.OnForwardStart();
+  }
   ASSERT_EQ(q.limit(), 20 * kMiB);
   // Two saves: another forward, which spilled what it deferred at its end.
   q.OnSave();
   q.OnSave();
   EXPECT_FALSE(q.KeepsDeferred());
-  // With nothing taken back it has no bound; with some, its own.
+  // With nothing taken back it has no bound; with some in two runs, its own.
   q.OnSpill(20 * kMiB);
   q.OnForwardStart();
   EXPECT_FALSE(q.limit().has_value());
-  q.OnSave();
-  q.OnSpill(20 * kMiB);
-  q.OnTakenBack(5 * kMiB);
-  q.OnForwardStart();
+  for (size_t taken : {5 * kMiB, 8 * kMiB}) {
+    q.OnSave();
+    q.OnSpill(20 * kMiB);
+    q.OnTakenBack(taken);
+    q.OnForwardStart();
+  }
   ASSERT_EQ(q.limit(), 15 * kMiB);
   q.Reset();
   EXPECT_FALSE(q.limit().has_value());
