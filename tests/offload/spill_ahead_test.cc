@@ -135,6 +135,43 @@ TEST_F(OffloadSpillAhead, WhatIsHeldBeforeAForwardCounts) {
   DropAllAndExpectNoLeaks({});
 }
 
+TEST_F(OffloadSpillAhead, AReloadReachingTheBudgetCountsItsBytesOnce) {
+  // 32 MiB of saves: the budget spills the oldest at the forward's peak.
+  Run first = Forward(8, 120);
+  engine_->Synchronize();
+  int spilled = Spilled(first.saves);
+  ASSERT_GT(spilled, 0);
+  // Backward reads the resident saves, then holds 26 MiB of gradients: each reload of a spilled
+  // save reaches the budget. With nothing spilled the device would hold the gradients and the
+  // saves not yet read, the one reloading among them once (it is spilled until its copy is
+  // issued, and it is the allocation coming): counted twice, the next run would spill a save
+  // more ahead.
+  for (size_t i = first.saves.size(); i-- > static_cast<size_t>(spilled);) {
+    const std::shared_ptr<TestStorage> s = std::move(first.saves[i]);
+    const KeeperId id = ids_.at(s.get());
+    EXPECT_EQ(AcquireAndRead(id, s->nbytes()), Pattern(s->nbytes(), 120 + uint32_t(i)));
+    engine_->RemoveKeeper(id);
+    ids_.erase(s.get());
+    std::erase(storages_, s);
+  }
+  first.saves.resize(static_cast<size_t>(spilled));
+  void* gradients = allocator_->Malloc(26 * kMiB, 0, compute_);
+  Backward(first, 120);
+  allocator_->Free(gradients);
+  // It rose 28 MiB above its first save's 4, and its reloads went above its highest save (32)
+  // by 26 + 4 x spilled - 32: the next run, from 4 again, spills ahead what that reaches above
+  // the target (22.5 MiB), a 4 MiB save at a time.
+  const size_t reached = 26 + 4 * static_cast<size_t>(spilled);
+  const size_t high = (4 + 28 + (reached > 32 ? reached - 32 : 0)) * kMiB;
+  const size_t target = 24 * kMiB - 24 * kMiB / 16;
+  const int expected = high > target ? static_cast<int>((high - target) / (4 * kMiB)) : 0;
+  Run second = Forward(8, 130);
+  EXPECT_EQ(Spilled(second.saves), expected) << spilled;
+  engine_->Synchronize();
+  Backward(second, 130);
+  DropAllAndExpectNoLeaks({});
+}
+
 TEST_F(OffloadSpillAhead, AnotherPolicyForgetsIt) {
   Run first = Forward(10, 80);
   engine_->Synchronize();
