@@ -107,10 +107,9 @@ void OffloadEngine::SpillToBudget(int device, size_t incoming_bytes) {
   if (const auto plan = PlanBudget(allocated, incoming_bytes, BudgetLocked(device))) {
     // (A reload's allocation is the one coming: its bytes are spilled no more.)
     DeviceState& state = State(device);
-    state.ahead.OnBudgetReached(
-        allocated + incoming_bytes,
-        static_cast<size_t>(state.spilled_bytes) -
-            std::min(static_cast<size_t>(state.spilled_bytes), state.reloading_bytes));
+    const auto spilled = static_cast<size_t>(state.spilled_bytes);
+    state.ahead.OnBudgetReached(allocated + incoming_bytes,
+                                spilled - std::min(spilled, state.reloading_bytes));
     Carry(*plan, device);
   }
 }

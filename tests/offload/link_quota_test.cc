@@ -4,16 +4,15 @@
 // newest saves beyond it.
 // Through the engine: the bound's own arithmetic is in policy_test.cc.
 #include <chrono>
-#include <map>
 #include <memory>
 #include <vector>
 
-#include "tests/offload/fault_fixture.h"
+#include "tests/offload/forward_runs_fixture.h"
 
 namespace spillway::testing {
 namespace {
 
-class OffloadLinkQuota : public OffloadFaultInjection {
+class OffloadLinkQuota : public OffloadForwardRuns {
  protected:
   void SetUp() override {
     // No prefetch: a read's prefetch would take back the older saves too (while the copies to
@@ -26,14 +25,10 @@ class OffloadLinkQuota : public OffloadFaultInjection {
   // One forward: `count` saves of 4 MiB, none held by the program after its last save, then
   // forward's end (eager spills what it may). Oldest first. `hold_copies_out`: the copies to the
   // host do not run until the hold goes (backward starts before they are done).
-  std::vector<std::shared_ptr<TestStorage>> Forward(
-      int count, uint32_t seed,
-      std::unique_ptr<SimBackend::StreamHold>* hold_copies_out = nullptr) {
-    std::vector<std::shared_ptr<TestStorage>> saves;
-    for (int i = 0; i < count; ++i) {
-      saves.push_back(NewStorage(4 * kMiB, seed + static_cast<uint32_t>(i)));
-      ids_[saves.back().get()] = Save(saves.back());
-    }
+  Saves Forward(int count, uint32_t seed,
+                std::unique_ptr<SimBackend::StreamHold>* hold_copies_out = nullptr) {
+    Saves saves;
+    for (int i = 0; i < count; ++i) saves.push_back(SaveNew(seed + static_cast<uint32_t>(i)));
     for (const auto& s : saves) s->holders = 0;
     if (hold_copies_out != nullptr) {
       *hold_copies_out = backend_->hold_stream(0, engine_->d2h_stream_for_testing(0).handle);
@@ -42,41 +37,19 @@ class OffloadLinkQuota : public OffloadFaultInjection {
     return saves;
   }
 
-  // Backward reads `s` (checks its bytes) and lets it go.
-  void Read(const std::shared_ptr<TestStorage>& s, uint32_t seed) {
-    const KeeperId id = ids_.at(s.get());
-    EXPECT_EQ(AcquireAndRead(id, s->nbytes()), Pattern(s->nbytes(), seed));
-    engine_->RemoveKeeper(id);
-    ids_.erase(s.get());
-  }
-
-  // Backward: reads `saves` (made by Forward with `seed`) newest first.
-  void Backward(const std::vector<std::shared_ptr<TestStorage>>& saves, uint32_t seed) {
-    for (size_t i = saves.size(); i-- > 0;) Read(saves[i], seed + static_cast<uint32_t>(i));
-  }
-
   // Two runs of a forward of `count` saves whose backward takes every one back (their copies to
   // the host held until it is over): the next run of it spills nothing.
   void ForwardAllTakenBackTwice(int count, uint32_t seed) {
     for (uint32_t run = 0; run < 2; ++run) {
       const int64_t before = EngineStat("bytes_taken_back");
       std::unique_ptr<SimBackend::StreamHold> hold;
-      const std::vector<std::shared_ptr<TestStorage>> saves =
-          Forward(count, seed + 100 * run, &hold);
+      Saves saves = Forward(count, seed + 100 * run, &hold);
       Backward(saves, seed + 100 * run);
       hold.reset();
       engine_->Synchronize();
       ASSERT_EQ(EngineStat("bytes_taken_back") - before, int64_t{count} * int64_t{4 * kMiB});
     }
   }
-
-  int Spilled(const std::vector<std::shared_ptr<TestStorage>>& saves) {
-    int n = 0;
-    for (const auto& s : saves) n += StateOf(s) != Residency::kResident ? 1 : 0;
-    return n;
-  }
-
-  std::map<const TestStorage*, KeeperId> ids_;
 };
 
 TEST_F(OffloadLinkQuota, TheNextForwardKeepsWhatBackwardTookBackInTwoRunsRunning) {
@@ -85,14 +58,12 @@ TEST_F(OffloadLinkQuota, TheNextForwardKeepsWhatBackwardTookBackInTwoRunsRunning
   const auto run_taking_back_two = [&](uint32_t seed) {
     const int64_t before = EngineStat("bytes_taken_back");
     std::unique_ptr<SimBackend::StreamHold> hold;
-    std::vector<std::shared_ptr<TestStorage>> saves = Forward(4, seed, &hold);
+    Saves saves = Forward(4, seed, &hold);
     const int spilled = Spilled(saves);
-    Read(saves[3], seed + 3);
-    Read(saves[2], seed + 2);
+    Backward(saves, seed, 2);
     hold.reset();
     engine_->Synchronize();
-    Read(saves[1], seed + 1);  // copied across before they were read: reloaded
-    Read(saves[0], seed);
+    Backward(saves, seed);  // copied across before they were read: reloaded
     EXPECT_EQ(EngineStat("bytes_taken_back") - before, int64_t{8 * kMiB}) << seed;
     return spilled;
   };
@@ -104,7 +75,7 @@ TEST_F(OffloadLinkQuota, TheNextForwardKeepsWhatBackwardTookBackInTwoRunsRunning
 
   // Taken back in two runs running: its two oldest saves go (8 MiB, what those runs got
   // across), the two newest stay for backward.
-  std::vector<std::shared_ptr<TestStorage>> second = Forward(4, 20);
+  Saves second = Forward(4, 20);
   EXPECT_NE(StateOf(second[0]), Residency::kResident);
   EXPECT_NE(StateOf(second[1]), Residency::kResident);
   EXPECT_EQ(StateOf(second[2]), Residency::kResident) << "spilled past the link's bound";
@@ -115,7 +86,7 @@ TEST_F(OffloadLinkQuota, TheNextForwardKeepsWhatBackwardTookBackInTwoRunsRunning
   EXPECT_EQ(EngineStat("bytes_taken_back"), int64_t{16 * kMiB}) << "nothing more taken back";
 
   // Nothing taken back, saves kept: the bound grows by a save (4 MiB, more than an eighth).
-  std::vector<std::shared_ptr<TestStorage>> third = Forward(4, 30);
+  Saves third = Forward(4, 30);
   EXPECT_EQ(Spilled(third), 3);
   EXPECT_EQ(StateOf(third[3]), Residency::kResident);
   engine_->Synchronize();
@@ -123,25 +94,21 @@ TEST_F(OffloadLinkQuota, TheNextForwardKeepsWhatBackwardTookBackInTwoRunsRunning
 
   // Another forward (three saves) is not the one the bound was learned on: at its end it spills
   // what the bound deferred.
-  std::vector<std::shared_ptr<TestStorage>> other = Forward(3, 40);
+  Saves other = Forward(3, 40);
   EXPECT_EQ(Spilled(other), 3);
   engine_->Synchronize();
   Backward(other, 40);
-  second.clear();
-  third.clear();
-  other.clear();
   DropAllAndExpectNoLeaks({});
 }
 
 TEST_F(OffloadLinkQuota, TheOutOfMemoryRescueSpillsWhatTheBoundKept) {
   ForwardAllTakenBackTwice(2, 50);  // the next run of the forward keeps both saves
-  std::vector<std::shared_ptr<TestStorage>> second = Forward(2, 60);
+  Saves second = Forward(2, 60);
   ASSERT_EQ(Spilled(second), 0);
   ASSERT_EQ(EngineStat("skipped.link"), 2);
   EXPECT_GE(engine_->ReleaseMemory(0, 8 * kMiB), size_t{8 * kMiB});
   EXPECT_EQ(Spilled(second), 2);
   Backward(second, 60);
-  second.clear();
   DropAllAndExpectNoLeaks({});
 }
 
@@ -152,12 +119,11 @@ TEST_F(OffloadLinkQuota, AnotherPolicyForgetsTheBound) {
   engine_->SetConfig(config);
   config.policy = OffloadPolicy::kEager;
   engine_->SetConfig(config);
-  std::vector<std::shared_ptr<TestStorage>> second = Forward(2, 80);
+  Saves second = Forward(2, 80);
   EXPECT_EQ(Spilled(second), 2);
   EXPECT_EQ(EngineStat("skipped.link"), 0);
   engine_->Synchronize();
   Backward(second, 80);
-  second.clear();
   DropAllAndExpectNoLeaks({});
 }
 

@@ -92,11 +92,21 @@ TEST(ForwardFootprintTest, ASaveAfterAReadStartsAnotherForward) {
   EXPECT_FALSE(f.read_since_save);
 }
 
+// One whole run of a forward for `q`: `saves` saves, `spilled` bytes of them spilled, `deferred`
+// the first one deferred (0: none) and `taken_back` bytes taken back by its backward; then the
+// next forward begins.
+void RunForward(ForwardSpillQuota& q, int saves, size_t spilled, size_t taken_back = 0,
+                size_t deferred = 0) {
+  for (int i = 0; i < saves; ++i) q.OnSave();
+  q.OnSpill(spilled);
+  if (deferred > 0) q.OnDeferred(deferred);
+  q.OnTakenBack(taken_back);
+  q.OnForwardStart();
+}
+
 TEST(ForwardSpillQuotaTest, NoBoundUntilSomethingIsTakenBack) {
   ForwardSpillQuota q;
-  q.OnSave();
-  q.OnSpill(500 * kMiB);
-  q.OnForwardStart();
+  RunForward(q, 1, 500 * kMiB);
   EXPECT_FALSE(q.limit().has_value());
   EXPECT_TRUE(q.Admits(size_t{1} << 40));
   EXPECT_FALSE(q.KeepsDeferred());
@@ -105,26 +115,15 @@ TEST(ForwardSpillQuotaTest, NoBoundUntilSomethingIsTakenBack) {
 TEST(ForwardSpillQuotaTest, OneRunTakenBackAloneSetsNoBound) {
   ForwardSpillQuota q;
   // A first step's take-backs, then none: never bound.
-  for (int i = 0; i < 3; ++i) q.OnSave();
-  q.OnSpill(100 * kMiB);
-  q.OnTakenBack(30 * kMiB);
-  q.OnForwardStart();
+  RunForward(q, 3, 100 * kMiB, 30 * kMiB);
   EXPECT_FALSE(q.limit().has_value());
-  for (int i = 0; i < 3; ++i) q.OnSave();
-  q.OnSpill(100 * kMiB);
-  q.OnForwardStart();
+  RunForward(q, 3, 100 * kMiB);
   EXPECT_FALSE(q.limit().has_value());
   // Taken back again, then once more: bound from then on.
-  for (int i = 0; i < 3; ++i) q.OnSave();
-  q.OnSpill(100 * kMiB);
-  q.OnTakenBack(10 * kMiB);
-  q.OnForwardStart();
+  RunForward(q, 3, 100 * kMiB, 10 * kMiB);
   EXPECT_FALSE(q.limit().has_value()) << "the run before took nothing back";
   // Another forward (two saves) between two runs taken back is no run of the same forward.
-  for (int i = 0; i < 2; ++i) q.OnSave();
-  q.OnSpill(100 * kMiB);
-  q.OnTakenBack(10 * kMiB);
-  q.OnForwardStart();
+  RunForward(q, 2, 100 * kMiB, 10 * kMiB);
   EXPECT_FALSE(q.limit().has_value());
 }
 
@@ -132,16 +131,9 @@ TEST(ForwardSpillQuotaTest, WhatTheLastRunsGotAcrossThenGrowing) {
   ForwardSpillQuota q;
   // Taken back in two runs running: the more of what they got across (the smaller bound held
   // more than needed in the run that got more across).
-  for (int i = 0; i < 3; ++i) q.OnSave();
-  q.OnSpill(100 * kMiB);
-  q.OnTakenBack(40 * kMiB);
-  q.OnForwardStart();
+  RunForward(q, 3, 100 * kMiB, 40 * kMiB);
   ASSERT_FALSE(q.limit().has_value());
-  for (int i = 0; i < 3; ++i) q.OnSave();
-  q.OnSpill(60 * kMiB);
-  q.OnSpill(40 * kMiB);
-  q.OnTakenBack(30 * kMiB);
-  q.OnForwardStart();
+  RunForward(q, 3, 100 * kMiB, 30 * kMiB);
   ASSERT_EQ(q.limit(), 70 * kMiB);
   EXPECT_TRUE(q.Admits(70 * kMiB));
   q.OnSpill(64 * kMiB);
@@ -158,37 +150,24 @@ TEST(ForwardSpillQuotaTest, WhatTheLastRunsGotAcrossThenGrowing) {
   // Deferred saves and nothing taken back: an eighth more (8.75 MiB), at least the first one.
   q.OnForwardStart();
   EXPECT_EQ(q.limit(), 70 * kMiB + 70 * kMiB / 8);
-  for (int i = 0; i < 3; ++i) q.OnSave();
-  q.OnDeferred(16 * kMiB);
-  q.OnForwardStart();
+  RunForward(q, 3, 0, 0, 16 * kMiB);
   EXPECT_EQ(q.limit(), 70 * kMiB + 70 * kMiB / 8 + 16 * kMiB);
   // Nothing deferred, nothing taken back: the bound stays.
-  for (int i = 0; i < 3; ++i) q.OnSave();
-  q.OnSpill(10 * kMiB);
-  q.OnForwardStart();
+  RunForward(q, 3, 10 * kMiB);
   EXPECT_EQ(q.limit(), 70 * kMiB + 70 * kMiB / 8 + 16 * kMiB);
   // All taken back (bound: once is enough): nothing spilled before deferring, then a save at a
   // time.
-  for (int i = 0; i < 3; ++i) q.OnSave();
-  q.OnSpill(4 * kMiB);
-  q.OnTakenBack(4 * kMiB);
-  q.OnForwardStart();
+  RunForward(q, 3, 4 * kMiB, 4 * kMiB);
   EXPECT_EQ(q.limit(), 0U);
   EXPECT_FALSE(q.Admits(1));
-  for (int i = 0; i < 3; ++i) q.OnSave();
-  q.OnDeferred(3 * kMiB);
-  q.OnForwardStart();
+  RunForward(q, 3, 0, 0, 3 * kMiB);
   EXPECT_EQ(q.limit(), 3 * kMiB);
 }
 
 TEST(ForwardSpillQuotaTest, AnotherForwardHasItsOwnBoundAndResetForgets) {
   ForwardSpillQuota q;
-  for (int run = 0; run < 2; ++run) {
-    for (int i = 0; i < 4; ++i) q.OnSave();
-    q.OnSpill(40 * kMiB);
-    q.OnTakenBack(20 * kMiB);
-    q.OnForwardStart();
-  }
+  RunForward(q, 4, 40 * kMiB, 20 * kMiB);
+  RunForward(q, 4, 40 * kMiB, 20 * kMiB);
   ASSERT_EQ(q.limit(), 20 * kMiB);
   // Two saves: another forward, which spilled what it deferred at its end.
   q.OnSave();
@@ -198,12 +177,8 @@ TEST(ForwardSpillQuotaTest, AnotherForwardHasItsOwnBoundAndResetForgets) {
   q.OnSpill(20 * kMiB);
   q.OnForwardStart();
   EXPECT_FALSE(q.limit().has_value());
-  for (size_t taken : {5 * kMiB, 8 * kMiB}) {
-    q.OnSave();
-    q.OnSpill(20 * kMiB);
-    q.OnTakenBack(taken);
-    q.OnForwardStart();
-  }
+  RunForward(q, 1, 20 * kMiB, 5 * kMiB);
+  RunForward(q, 1, 20 * kMiB, 8 * kMiB);
   ASSERT_EQ(q.limit(), 15 * kMiB);
   q.Reset();
   EXPECT_FALSE(q.limit().has_value());

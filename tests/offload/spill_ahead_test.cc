@@ -2,16 +2,13 @@
 // spills that much of its oldest saves as it makes them, so that their copies run during the
 // forward rather than at its peak. Through the engine: the arithmetic is in policy_test.cc.
 #include <chrono>
-#include <map>
-#include <memory>
-#include <vector>
 
-#include "tests/offload/fault_fixture.h"
+#include "tests/offload/forward_runs_fixture.h"
 
 namespace spillway::testing {
 namespace {
 
-class OffloadSpillAhead : public OffloadFaultInjection {
+class OffloadSpillAhead : public OffloadForwardRuns {
  protected:
   // A budget of 24 MiB: the target auto spills down to is 22.5 MiB.
   void SetUp() override {
@@ -26,14 +23,13 @@ class OffloadSpillAhead : public OffloadFaultInjection {
   // before the budget: 8 MiB allocated). `loss_bytes`: allocated (not saved) after the last
   // save, then freed, as a loss would be.
   struct Run {
-    std::vector<std::shared_ptr<TestStorage>> saves;
+    Saves saves;
     int after_second = 0;
   };
   Run Forward(int count, uint32_t seed, size_t loss_bytes = 0) {
     Run run;
     for (int i = 0; i < count; ++i) {
-      run.saves.push_back(NewStorage(4 * kMiB, seed + static_cast<uint32_t>(i)));
-      ids_[run.saves.back().get()] = Save(run.saves.back());
+      run.saves.push_back(SaveNew(seed + static_cast<uint32_t>(i)));
       run.saves.back()->holders = 0;
       if (i == 1) run.after_second = Spilled(run.saves);
     }
@@ -41,28 +37,6 @@ class OffloadSpillAhead : public OffloadFaultInjection {
     engine_->ForwardEnd();
     return run;
   }
-
-  // Backward: reads the saves newest first (checks their bytes) and lets each go, storage and
-  // all (the next forward finds the memory as a training step's would).
-  void Backward(Run& run, uint32_t seed) {
-    for (size_t i = run.saves.size(); i-- > 0;) {
-      const std::shared_ptr<TestStorage> s = std::move(run.saves[i]);
-      const KeeperId id = ids_.at(s.get());
-      EXPECT_EQ(AcquireAndRead(id, s->nbytes()), Pattern(s->nbytes(), seed + uint32_t(i)));
-      engine_->RemoveKeeper(id);
-      ids_.erase(s.get());
-      std::erase(storages_, s);
-    }
-    run.saves.clear();
-  }
-
-  int Spilled(const std::vector<std::shared_ptr<TestStorage>>& saves) {
-    int n = 0;
-    for (const auto& s : saves) n += StateOf(s) != Residency::kResident ? 1 : 0;
-    return n;
-  }
-
-  std::map<const TestStorage*, KeeperId> ids_;
 };
 
 TEST_F(OffloadSpillAhead, TheNextRunSpillsAsItSavesWhatTheLastHeldAboveTheBudget) {
@@ -72,7 +46,7 @@ TEST_F(OffloadSpillAhead, TheNextRunSpillsAsItSavesWhatTheLastHeldAboveTheBudget
   const int64_t first_spills = EngineStat("num_spills");
   ASSERT_GT(first_spills, 0);
   engine_->Synchronize();
-  Backward(first, 10);
+  Backward(first.saves, 10);
 
   // It held 40 MiB with nothing spilled, 17.5 above the target: the next run spills its four
   // oldest saves (16 MiB) as it makes them, and the budget asks for nothing.
@@ -83,17 +57,17 @@ TEST_F(OffloadSpillAhead, TheNextRunSpillsAsItSavesWhatTheLastHeldAboveTheBudget
   EXPECT_EQ(EngineStat("num_spills") - first_spills, 4);
   EXPECT_LE(AllocStat("allocated_bytes.all.peak"), int64_t{24 * kMiB});
   engine_->Synchronize();
-  Backward(second, 20);
+  Backward(second.saves, 20);
 
   // A smaller forward (24 MiB) next still spills what the last one needed ahead; the one after
   // it learns from it (1.5 MiB above the target: not a save's worth) and spills nothing.
   Run third = Forward(6, 30);
   EXPECT_EQ(Spilled(third.saves), 4);
   engine_->Synchronize();
-  Backward(third, 30);
+  Backward(third.saves, 30);
   Run fourth = Forward(6, 40);
   EXPECT_EQ(Spilled(fourth.saves), 0);
-  Backward(fourth, 40);
+  Backward(fourth.saves, 40);
   DropAllAndExpectNoLeaks({});
 }
 
@@ -102,7 +76,7 @@ TEST_F(OffloadSpillAhead, WhatALossAllocatedAboveTheSavesIsSpilledAheadFromThenO
   Run first = Forward(5, 50, 8 * kMiB);
   EXPECT_EQ(first.after_second, 0);
   engine_->Synchronize();
-  Backward(first, 50);
+  Backward(first.saves, 50);
   // The next run spills one save ahead, and its loss fits; so does the one after, which reached
   // the budget no more (its saves alone are under the target) but keeps what the loss needs.
   for (uint32_t seed : {60u, 70u}) {
@@ -111,7 +85,7 @@ TEST_F(OffloadSpillAhead, WhatALossAllocatedAboveTheSavesIsSpilledAheadFromThenO
     EXPECT_EQ(run.after_second, 1) << seed;
     EXPECT_EQ(EngineStat("num_spills") - spills, 1) << seed;
     engine_->Synchronize();
-    Backward(run, seed);
+    Backward(run.saves, seed);
   }
   DropAllAndExpectNoLeaks({});
 }
@@ -121,7 +95,7 @@ TEST_F(OffloadSpillAhead, WhatIsHeldBeforeAForwardCounts) {
   // at its first.
   Run first = Forward(6, 100);
   ASSERT_EQ(Spilled(first.saves), 0);
-  Backward(first, 100);
+  Backward(first.saves, 100);
   // 8 MiB held from before the next run (an accumulated gradient): it reaches 32 MiB, 9.5 above
   // the target, and spills its two oldest saves ahead.
   void* held = allocator_->Malloc(8 * kMiB, 0, compute_);
@@ -130,7 +104,7 @@ TEST_F(OffloadSpillAhead, WhatIsHeldBeforeAForwardCounts) {
   EXPECT_EQ(second.after_second, 1);
   EXPECT_EQ(EngineStat("num_spills") - spills, 2);
   engine_->Synchronize();
-  Backward(second, 110);
+  Backward(second.saves, 110);
   allocator_->Free(held);
   DropAllAndExpectNoLeaks({});
 }
@@ -146,17 +120,9 @@ TEST_F(OffloadSpillAhead, AReloadReachingTheBudgetCountsItsBytesOnce) {
   // saves not yet read, the one reloading among them once (it is spilled until its copy is
   // issued, and it is the allocation coming): counted twice, the next run would spill a save
   // more ahead.
-  for (size_t i = first.saves.size(); i-- > static_cast<size_t>(spilled);) {
-    const std::shared_ptr<TestStorage> s = std::move(first.saves[i]);
-    const KeeperId id = ids_.at(s.get());
-    EXPECT_EQ(AcquireAndRead(id, s->nbytes()), Pattern(s->nbytes(), 120 + uint32_t(i)));
-    engine_->RemoveKeeper(id);
-    ids_.erase(s.get());
-    std::erase(storages_, s);
-  }
-  first.saves.resize(static_cast<size_t>(spilled));
+  Backward(first.saves, 120, static_cast<size_t>(spilled));
   void* gradients = allocator_->Malloc(26 * kMiB, 0, compute_);
-  Backward(first, 120);
+  Backward(first.saves, 120);
   allocator_->Free(gradients);
   // It rose 28 MiB above its first save's 4, and its reloads went above its highest save (32)
   // by 26 + 4 x spilled - 32: the next run, from 4 again, spills ahead what that reaches above
@@ -168,14 +134,14 @@ TEST_F(OffloadSpillAhead, AReloadReachingTheBudgetCountsItsBytesOnce) {
   Run second = Forward(8, 130);
   EXPECT_EQ(Spilled(second.saves), expected) << spilled;
   engine_->Synchronize();
-  Backward(second, 130);
+  Backward(second.saves, 130);
   DropAllAndExpectNoLeaks({});
 }
 
 TEST_F(OffloadSpillAhead, AnotherPolicyForgetsIt) {
   Run first = Forward(10, 80);
   engine_->Synchronize();
-  Backward(first, 80);
+  Backward(first.saves, 80);
   OffloadConfig config = engine_->config();
   config.policy = OffloadPolicy::kEager;
   engine_->SetConfig(config);
@@ -184,7 +150,7 @@ TEST_F(OffloadSpillAhead, AnotherPolicyForgetsIt) {
   Run second = Forward(10, 90);
   EXPECT_EQ(second.after_second, 0);
   engine_->Synchronize();
-  Backward(second, 90);
+  Backward(second.saves, 90);
   DropAllAndExpectNoLeaks({});
 }
 

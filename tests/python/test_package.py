@@ -70,8 +70,9 @@ def test_one_offload_block_serves_every_step_nested_and_as_a_decorator():
     reference = torch.autograd.grad((x @ w).tanh().sum(), w)[0]
     spills = spillway.memory_stats()["spillway.num_spills"]
     # Each backward waits for the spills' copies first (synchronize): a save read while its copy
-    # is still running is taken back, and eager's next run of the forward keeps it on the device
-    # (ForwardSpillQuota), which would leave a use of the block that spills nothing.
+    # is still running is taken back, and after two such runs eager's next run of the forward
+    # keeps it on the device (ForwardSpillQuota), which would leave a use of the block that
+    # spills nothing.
     for _ in range(2):
         with block:
             loss = (x @ w).tanh().sum()
