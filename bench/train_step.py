@@ -117,6 +117,9 @@ def main():
         "device": args.device,
         "config": args.config,
         "peak_allocated": s["allocated_bytes.all.peak"],
+        # Held: a spill's block counts as freed when the spill is issued, but nothing may reuse it
+        # before its copy has read it (PyTorch counts such blocks in active_bytes).
+        "peak_held": s["active_bytes.all.peak"],
         "peak_reserved": s["reserved_bytes.all.peak"],
         "median_step_s": statistics.median(times[1:] if len(times) > 1 else times),
         "bytes_to_host": s.get("spillway.bytes_to_host", 0),

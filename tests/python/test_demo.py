@@ -22,6 +22,19 @@ def test_demo_runs_and_offload_trains_where_no_offload_runs_out_of_memory(tmp_pa
     rows = {line.split("|")[1].strip(): line for line in result.stdout.splitlines()
             if line.startswith("| ")}
     assert "yes (bitwise)" in rows["Spillway eager"]
+    # Memory saved is read from what each run held (its spills' blocks count until their copies
+    # have read them), not from its allocated bytes.
+    header = next(line for line in result.stdout.splitlines() if "vs no offload" in line)
+    assert [c.strip() for c in header.split("|")[2:5]] == [
+        "peak held (MiB)", "vs no offload", "peak allocated (MiB)"], header
+    first = result.stdout.split("When the activations do not fit")[0]
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:5]]
+             for line in first.splitlines() if line.startswith("| ") and "x |" in line}
+    assert len(cells) == 3, first
+    base_held = float(cells["no offload"][0])
+    for name, (held, ratio, allocated) in cells.items():
+        assert float(held) >= float(allocated), (name, held, allocated)
+        assert abs(float(ratio[:-1]) - float(held) / base_held) <= 0.007, (name, held, ratio)
     assert any(name.startswith("Spillway auto, budget") for name in rows)
     # The second table: the same run on a device too small for it without offload.
     tight = result.stdout.split("When the activations do not fit")[1]
