@@ -480,13 +480,21 @@ def test_report_of_a_run_with_some_configurations():
     assert "Spillway eager" not in report.summary(meta, rows, models, front)
 
 
-def test_cuda_job_spec_caps_the_peers_by_host_memory():
+def cuda_job(params):
+    """llm_step, and job_spec's arguments for a CUDA run of a model "m" of `params` bf16
+    parameters on an 80 GiB device: (llm_step, args, models, link)."""
     llm_step, _ = load_parts()
     gib = 1 << 30
     args = types.SimpleNamespace(device="cuda", steps=3, seed=0, deterministic="strict",
                                  host_fraction=0.3, sim_link_mb_per_s=0)
-    models = {"m": dict(params=8 * gib, dtype_bytes=2, seqs=[1024, 2048], layers=4)}
+    models = {"m": dict(params=params, dtype_bytes=2, seqs=[1024, 2048], layers=4)}
     link = {"device_total": 80 * gib, "device_free": 79 * gib, "d2h_gbps": 50.0}
+    return llm_step, args, models, link
+
+
+def test_cuda_job_spec_caps_the_peers_by_host_memory():
+    gib = 1 << 30
+    llm_step, args, models, link = cuda_job(8 * gib)
     rows = [dict(model="m", config="spillway_eager", seq=1024, status="ok",
                  to_host_per_step=10 * gib, host_peak=10 * gib)]
     host = 128 * gib
@@ -499,6 +507,36 @@ def test_cuda_job_spec_caps_the_peers_by_host_memory():
     models["m"]["params"] = 12 * gib
     skip = llm_step.job_spec(args, models, "m", "save_on_cpu", rows, link, host, 0)["skip"]
     assert list(skip) == ["2048"] and "24.0 GiB of weights" in skip["2048"]
+
+
+def test_auto_budgets_lie_above_the_gradients():
+    """Auto's half and quarter budgets are fractions of the activations above what backward holds
+    whatever is spilled: the resident state and the weights' gradients. Counted from the
+    resident state alone (the reference's peak above it counts gradients too), the quarter budget
+    fell below the gradients on the simulated device and could not be kept."""
+    gib = 1 << 30
+    # 2 Gi bf16 parameters: 4 GiB of gradients; the reference peaks 10 GiB above 20 resident.
+    llm_step, args, models, link = cuda_job(2 * gib)
+    rows = [dict(model="m", config="pytorch", seq=1024, status="ok", peak_allocated=30 * gib,
+                 base_allocated=20 * gib)]
+
+    def budgets(config):
+        spec = llm_step.job_spec(args, models, "m", config, rows, link, 128 * gib, 0)
+        return spec["budgets"], spec["budget_basis"]
+
+    quarter, basis = budgets("spillway_auto_quarter")
+    half, _ = budgets("spillway_auto_half")
+    # 6 GiB of activations at 1024; at 2048 the activations scale, the gradients do not.
+    assert quarter == {"1024": int(25.5 * gib), "2048": 27 * gib}
+    assert half == {"1024": 27 * gib, "2048": 30 * gib}
+    assert "measured" in basis["1024"] and "scaled from 1024" in basis["2048"]
+    assert "4096 MiB of gradients" in basis["1024"]
+    # No reference row: fractions of the device above the resident state and the gradients.
+    rows.clear()
+    quarter, basis = budgets("spillway_auto_quarter")
+    resident = 3 * 2 * gib * 2  # three times the weights' bytes
+    assert quarter["1024"] == int(resident + 4 * gib + 0.25 * (80 * gib - resident - 4 * gib))
+    assert basis["1024"].startswith("device memory (no reference)")
 
 
 def test_next_length_guess_follows_the_training_flops():
