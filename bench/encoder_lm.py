@@ -84,6 +84,8 @@ def main():
     stats = spillway.memory_stats()
     print(json.dumps({"losses": losses, "grads": digest,
                       "peak_allocated": stats["allocated_bytes.all.peak"],
+                      # A spill's block counts until its copy has read it (active bytes).
+                      "peak_held": stats["active_bytes.all.peak"],
                       "bytes_to_host": stats["spillway.bytes_to_host"],
                       "bytes_to_device": stats["spillway.bytes_to_device"],
                       "stall_us": stats["spillway.stall_us"],

@@ -36,8 +36,9 @@ def test_eager_with_no_arguments_halves_the_peak_bitwise(reference):
     got = run("--offload", "eager")
     assert got["bytes_to_host"] > 0
     assert (got["losses"], got["grads"]) == (reference["losses"], reference["grads"])
-    ratio = got["peak_allocated"] / reference["peak_allocated"]
-    assert ratio <= 0.5, f"eager with its defaults peaked at {ratio:.2f}x of no offload"
+    # Held: a spill's block counts until its copy has read it (0.495x, as allocated, 2026-12-07).
+    ratio = got["peak_held"] / reference["peak_held"]
+    assert ratio <= 0.5, f"eager with its defaults held {ratio:.2f}x of no offload at its peak"
 
 
 def test_auto_holds_an_explicit_budget_bitwise(reference):
@@ -54,3 +55,7 @@ def test_auto_holds_an_explicit_budget_bitwise(reference):
     # the budget a little: the 1 MiB test_training allows too.
     assert got["peak_allocated"] <= budget + (1 << 20), \
         f"auto peaked at {got['peak_allocated'] / budget:.3f}x of its budget"
+    # The budget is on allocated bytes; what auto holds also counts the blocks its spills still
+    # copy at the peak: 104.5 MiB against a budget of 98.3 (1.064x) on 2026-12-07.
+    assert got["peak_held"] <= 1.1 * budget, \
+        f"auto held {got['peak_held'] / budget:.3f}x of its budget at its peak"
