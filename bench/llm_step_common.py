@@ -38,6 +38,12 @@ SIM_LINK_MB_PER_S = 256
 # Steps of each length before the timed ones (llm_step_job.train_length).
 WARMUP_STEPS = 2
 
+
+def warmup_steps(steps):
+    """The warm-up steps of a run of `steps` per length: at least one step is timed."""
+    return min(WARMUP_STEPS, steps - 1)
+
+
 # The real models (CUDA, bf16) and their simulated-device analogues (fp32, tiny). "layers": "fill"
 # stacks decoder layers until weights, gradients and AdamW's two states take --fill of the GPU.
 MODELS = {

@@ -13,7 +13,7 @@ import time
 import traceback
 import types
 
-from llm_step_common import CHECKPOINTED, COMPILE_MIN_BYTES, GIB, MIB, SPILLWAY, WARMUP_STEPS
+from llm_step_common import CHECKPOINTED, COMPILE_MIN_BYTES, GIB, MIB, SPILLWAY, warmup_steps
 from llm_step_report import flops_per_step
 
 
@@ -537,7 +537,7 @@ def train_length(torch, model, spec, seq, dev, config, make_peer, budget, min_by
     # Warm-up: the first step makes lazy state (AdamW's, caches), and Spillway's policies learn
     # from the runs of a forward before (eager's bound on its spills needs two, auto's spills
     # ahead of its budget one): the steps after warm-up are the ones a training run repeats.
-    warmup = min(WARMUP_STEPS, steps - 1)
+    warmup = warmup_steps(steps)
     for step in range(steps):
         if step == warmup and step > 0:
             sync()

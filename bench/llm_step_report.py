@@ -3,7 +3,7 @@ markdown tables, the plot of memory saved against step-time overhead, and the su
 
 import math
 
-from llm_step_common import CHECKPOINTED, CONFIGS, GIB, MIB, WARMUP_STEPS
+from llm_step_common import CHECKPOINTED, CONFIGS, GIB, MIB, warmup_steps
 
 
 def ok_rows(rows, model, config):
@@ -154,7 +154,7 @@ def markdown(meta, rows, models, front):
     lines = [f"# llm_step: {meta['device_name']}, {meta['date']}", ""]
     lines.append(f"torch {meta['torch']}, transformers {meta['transformers']}, Python "
                  f"{meta['python']}; {meta['steps']} steps per length (the first "
-                 f"{min(WARMUP_STEPS, meta['steps'] - 1)} warm-up); "
+                 f"{warmup_steps(meta['steps'])} warm-up); "
                  f"determinism {meta['determinism']}; {meta['elapsed_s']:.0f} s of a "
                  f"{meta['budget_s']:.0f} s budget.")
     if meta.get("stopped"):

@@ -38,6 +38,17 @@ class OffloadForwardRuns : public OffloadFaultInjection {
     saves.resize(keep);
   }
 
+  // Another policy runs, then the engine's own again: what a policy learned of its forwards
+  // goes with the change.
+  void AnotherPolicyInBetween(OffloadPolicy other) {
+    OffloadConfig config = engine_->config();
+    const OffloadPolicy own = config.policy;
+    config.policy = other;
+    engine_->SetConfig(config);
+    config.policy = own;
+    engine_->SetConfig(config);
+  }
+
   int Spilled(const Saves& saves) {
     int n = 0;
     for (const auto& s : saves) n += StateOf(s) != Residency::kResident ? 1 : 0;

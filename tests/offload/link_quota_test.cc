@@ -114,11 +114,7 @@ TEST_F(OffloadLinkQuota, TheOutOfMemoryRescueSpillsWhatTheBoundKept) {
 
 TEST_F(OffloadLinkQuota, AnotherPolicyForgetsTheBound) {
   ForwardAllTakenBackTwice(2, 70);
-  OffloadConfig config = engine_->config();
-  config.policy = OffloadPolicy::kOff;
-  engine_->SetConfig(config);
-  config.policy = OffloadPolicy::kEager;
-  engine_->SetConfig(config);
+  AnotherPolicyInBetween(OffloadPolicy::kOff);
   Saves second = Forward(2, 80);
   EXPECT_EQ(Spilled(second), 2);
   EXPECT_EQ(EngineStat("skipped.link"), 0);

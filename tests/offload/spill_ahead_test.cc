@@ -142,11 +142,7 @@ TEST_F(OffloadSpillAhead, AnotherPolicyForgetsIt) {
   Run first = Forward(10, 80);
   engine_->Synchronize();
   Backward(first.saves, 80);
-  OffloadConfig config = engine_->config();
-  config.policy = OffloadPolicy::kEager;
-  engine_->SetConfig(config);
-  config.policy = OffloadPolicy::kAuto;
-  engine_->SetConfig(config);
+  AnotherPolicyInBetween(OffloadPolicy::kEager);
   Run second = Forward(10, 90);
   EXPECT_EQ(second.after_second, 0);
   engine_->Synchronize();
