@@ -102,9 +102,7 @@ TEST_F(OffloadCopyFailure, OffloadAReloadThatFindsAPrefetchsFailureFailsThePrefe
   const KeeperId ida = Save(a);
   const KeeperId idb = Save(b);
   const KeeperId idc = Save(c);
-  a->holders = b->holders = 0;  // c stays on the device
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({a, b});  // c stays on the device
   ASSERT_EQ(StateOf(a), Residency::kSpilled);
   ASSERT_EQ(StateOf(b), Residency::kSpilled);
 
@@ -154,9 +152,7 @@ TEST_F(OffloadPrefetchHearsAFailure, OffloadAnAcquireWhosePrefetchFindsItsCopyFa
   std::shared_ptr<TestStorage> b = NewStorage(12 * kMiB, 82);
   const KeeperId ida = Save(a);
   const KeeperId idb = Save(b);
-  a->holders = b->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({a, b});
   ASSERT_EQ(StateOf(a), Residency::kSpilled);
   ASSERT_EQ(StateOf(b), Residency::kSpilled);
   // Cached: the two 12 MiB segments the spills freed. The program takes one back; b's reload
@@ -226,9 +222,7 @@ TEST_F(OffloadCopyFailure, OffloadAReloadFailedWithAnotherKeepsItsCopyOrdered) {
   std::shared_ptr<TestStorage> b = NewStorage(2 * kMiB, 78);
   const KeeperId ida = Save(a);
   const KeeperId idb = Save(b);
-  a->holders = b->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({a, b});
   ASSERT_EQ(StateOf(b), Residency::kSpilled);
 
   const StreamRef side = backend_->create_stream(0);

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <random>
@@ -110,6 +111,14 @@ class OffloadEngineTest : public ::testing::Test {
         s.get(), [&] { return s; }, view, compute_, settings);
     EXPECT_TRUE(id.has_value());
     return id.value_or(0);
+  }
+
+  // The program lets `storages` go, so that only their saves keep them, and the forward ends
+  // (where eager spills them); returns once every copy issued is done.
+  void EndForwardSavesOnly(std::initializer_list<std::shared_ptr<TestStorage>> storages) {
+    for (const std::shared_ptr<TestStorage>& s : storages) s->holders = 0;
+    engine_->ForwardEnd();
+    engine_->Synchronize();
   }
 
   Residency StateOf(const std::shared_ptr<TestStorage>& s) {

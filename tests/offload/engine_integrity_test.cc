@@ -80,9 +80,7 @@ TEST_F(OffloadIntegrity, DroppingTheConsumerWaitIsCaught) {
     const uint32_t seed = skip ? 100 : 200;
     auto s = NewStorage(kMiB, seed);
     const KeeperId id = Save(s);
-    s->holders = 0;
-    engine_->ForwardEnd();
-    engine_->Synchronize();
+    EndForwardSavesOnly({s});
     // The reload will likely get the same cached block back: scrub it, or stale-but-right bytes
     // would hide a missing wait.
     allocator_->ProcessEvents(0);
@@ -151,9 +149,7 @@ TEST_F(OffloadIntegrity, ADroppedPrefetchsCopyDoesNotLandOnTheNextOwner) {
   std::shared_ptr<TestStorage> b = NewStorage(4 * kMiB, 22);
   const KeeperId ida = Save(a);
   const KeeperId idb = Save(b);
-  a->holders = b->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({a, b});
   ASSERT_EQ(StateOf(a), Residency::kSpilled);
   // The copies run once the host waits for them: the drop, or (without its wait) only the
   // engine's synchronization at the end, after the next owner wrote. (The compute stream waits

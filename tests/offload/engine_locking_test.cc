@@ -68,9 +68,7 @@ class OffloadEngineLocking : public OffloadEngineTest {
     const std::optional<KeeperId> saved = engine_->AddKeeper(
         s.get(), [s] { return s; }, FloatView(nbytes), compute_);
     *id = saved.value();
-    s->holders = 0;
-    engine_->ForwardEnd();
-    engine_->Synchronize();
+    EndForwardSavesOnly({s});
     EXPECT_EQ(engine_->Describe(s.get())->residency, Residency::kSpilled);
     return s;
   }

@@ -60,9 +60,7 @@ TEST_F(OffloadPolicyTest, OffloadASaveFollowsItsOwnSettingsOverTheConfiguration)
   engine_->SetConfig(config);
   auto configured = NewStorage(2 * kMiB, 4);
   Save(configured);  // without settings: the configuration's
-  own_eager->holders = own_off->holders = own_minimum->holders = configured->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({own_eager, own_off, own_minimum, configured});
   EXPECT_EQ(StateOf(own_eager), Residency::kSpilled) << "its own min_bytes of 0 was not followed";
   EXPECT_EQ(StateOf(own_off), Residency::kResident) << "a save under its own \"off\" was spilled";
   EXPECT_EQ(StateOf(own_minimum), Residency::kResident) << "its own min_bytes was not followed";
@@ -313,9 +311,7 @@ TEST_F(OffloadPolicyTest, OffloadEagerSpillsWhatHostMemoryRefusedOnceItComesBack
   std::shared_ptr<TestStorage> b = NewStorage(4 * kMiB, 2);
   const KeeperId ida = Save(a);
   const KeeperId idb = Save(b);
-  a->holders = b->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({a, b});
   ASSERT_EQ(StateOf(a), Residency::kSpilled);
   ASSERT_EQ(StateOf(b), Residency::kResident) << "the host limit did not hold b back";
   EXPECT_EQ(EngineStat("skipped.host_limit"), 1);
@@ -354,9 +350,7 @@ TEST_F(OffloadPolicyTest, OffloadAHostLimitSetLaterAppliesToTheDevicesPool) {
   engine_->SetConfig(config);
   std::shared_ptr<TestStorage> c = NewStorage(2 * kMiB, 33);
   const KeeperId idc = Save(c);
-  c->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({c});
   EXPECT_EQ(StateOf(c), Residency::kSpilled);
   EXPECT_EQ(ReadOn(compute_, engine_->Acquire(idc, compute_), 2 * kMiB), Pattern(2 * kMiB, 33));
   EXPECT_EQ(ReadOn(compute_, engine_->Acquire(idb, compute_), 2 * kMiB), Pattern(2 * kMiB, 32));

@@ -52,9 +52,7 @@ TEST_F(OffloadTransitions, AStoragesLastReleaseRunsOutsideTheEngineLock) {
         s.get(), [&] { return s; }, FloatView(kMiB), compute_);
     ASSERT_TRUE(id.has_value());
     if (spill) {
-      s->holders = 0;
-      engine_->ForwardEnd();
-      engine_->Synchronize();
+      EndForwardSavesOnly({s});
       ASSERT_EQ(engine_->Describe(s.get())->residency, Residency::kSpilled);
     }
     s.reset();  // the engine's hold is the last
@@ -114,9 +112,7 @@ TEST_F(OffloadTransitions, DropWhileSpillingReturnsHostBufferAfterTheCopy) {
 TEST_F(OffloadTransitions, DropWhileSpilledFreesHostCopy) {
   auto s = NewStorage(2 * kMiB, 2);
   const KeeperId id = Save(s);
-  s->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({s});
   ASSERT_EQ(StateOf(s), Residency::kSpilled);
   EXPECT_EQ(EngineStat("host_bytes.current"), int64_t{2 * kMiB});
   engine_->RemoveKeeper(id);
@@ -132,9 +128,7 @@ TEST_F(OffloadTransitions, ReleasedStorageIsNeverBroughtBack) {
   const KeeperId released_id = Save(released);
   const KeeperId later_id = Save(later);
   released->holders = 0;
-  later->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({later});
   ASSERT_EQ(StateOf(released), Residency::kSpilled);
   engine_->MarkReleased(released.get(), "freed by the test");
   EXPECT_EQ(StateOf(released), Residency::kFailed);
@@ -239,9 +233,7 @@ TEST_F(OffloadTransitions, EntriesSetAsideUnderOneKeyKeepItsOneBinding) {
   EXPECT_EQ(engine_->StorageOf(fourth), s) << "a second binding of the storage set aside";
   EXPECT_THAT(KeepersOf(s.get()), ElementsAre(Pair(second, true), Pair(fourth, false)));
   EXPECT_EQ(engine_->Describe(s.get())->residency, Residency::kResident);
-  s->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({s});
   EXPECT_EQ(StateOf(s), Residency::kSpilled) << "the new save is not spilled as its own";
   engine_->RemoveKeeper(second);
   engine_->RemoveKeeper(fourth);
@@ -255,9 +247,7 @@ TEST_F(OffloadTransitions, TrimHostMemoryGivesBackChunksNoSpillUses) {
   Save(kept);
   const KeeperId dropped_id = Save(dropped);
   kept->holders = 0;
-  dropped->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({dropped});
   engine_->RemoveKeeper(dropped_id);
   EXPECT_GT(EngineStat("host_reserved_bytes"), 0);
   engine_->TrimHostMemory();
@@ -269,9 +259,7 @@ TEST_F(OffloadTransitions, TrimHostMemoryGivesBackChunksNoSpillUses) {
   Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});  // a fresh engine
   auto only = NewStorage(2 * kMiB, 3);
   const KeeperId only_id = Save(only);
-  only->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({only});
   engine_->RemoveKeeper(only_id);
   EXPECT_GT(EngineStat("host_reserved_bytes"), 0) << "the pool caches its chunk";
   engine_->TrimHostMemory();
@@ -284,9 +272,7 @@ TEST_F(OffloadTransitions, TrimHostMemoryGivesBackChunksNoSpillUses) {
 TEST_F(OffloadTransitions, AReloadThatFinishedUnseenIsResidentToTheRescueAndTheTrim) {
   auto s = NewStorage(8 * kMiB, 4);
   const KeeperId id = Save(s);
-  s->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({s});
   engine_->Acquire(id, compute_);  // backward reads it; the reload's copy is issued
   backend_->synchronize_stream(0, engine_->h2d_stream_for_testing(0).handle);  // and done
   engine_->TrimHostMemory();
@@ -301,9 +287,7 @@ TEST_F(OffloadTransitions, DropWhileReloadingLeaksNothing) {
   Make(Policy(OffloadPolicy::kEager), size_t{256} << 20, std::chrono::microseconds{3000});
   auto s = NewStorage(4 * kMiB, 3);
   const KeeperId id = Save(s);
-  s->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({s});
   engine_->Acquire(id, compute_);
   EXPECT_EQ(StateOf(s), Residency::kReloading);
   engine_->RemoveKeeper(id);
@@ -336,9 +320,7 @@ TEST_F(OffloadTransitions, OneEntryAndOneCopyPerStorageHoweverManyViews) {
   EXPECT_EQ(info->keepers.size(), 2u);
   EXPECT_EQ(info->keepers[1].view.offset, 1024);
   EXPECT_EQ(EngineStat("num_entries"), 1);
-  s->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({s});
   EXPECT_EQ(EngineStat("num_spills"), 1);
   EXPECT_EQ(EngineStat("bytes_to_host"), int64_t{4 * kMiB});
   void* a = engine_->Acquire(view, compute_);

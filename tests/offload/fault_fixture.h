@@ -91,9 +91,7 @@ class OffloadFaultInjection : public OffloadEngineTest {
     SpilledAndHeld out{NewStorage(12 * kMiB, 1), NewStorage(16 * kMiB, 2)};
     out.ida = Save(out.a);
     out.idb = Save(out.b);
-    out.a->holders = 0;
-    engine_->ForwardEnd();
-    engine_->Synchronize();
+    EndForwardSavesOnly({out.a});
     EXPECT_EQ(StateOf(out.a), Residency::kSpilled);
     EXPECT_EQ(StateOf(out.b), Residency::kResident);
     return out;

@@ -120,9 +120,7 @@ TEST_F(OffloadFaultInjection, OffloadPinnedAllocationFailureDuringSpill) {
   // A new entry spills and comes back intact.
   std::shared_ptr<TestStorage> b = NewStorage(2 * kMiB, 8);
   const KeeperId idb = Save(b);
-  b->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({b});
   EXPECT_EQ(StateOf(b), Residency::kSpilled);
   EXPECT_EQ(AcquireAndRead(idb, 2 * kMiB), Pattern(2 * kMiB, 8));
 
@@ -148,9 +146,7 @@ TEST_F(OffloadFaultInjection, OffloadFailedSpillCopy) {
   const KeeperId ida = Save(a);
   const KeeperId idb = Save(b);
   const KeeperId idc = Save(c);
-  b->holders = 0;  // spills cleanly, before any fault
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({b});  // spills cleanly, before any fault
   ASSERT_EQ(StateOf(b), Residency::kSpilled);
 
   a->holders = 0;
@@ -172,9 +168,7 @@ TEST_F(OffloadFaultInjection, OffloadFailedSpillCopy) {
   // The entry spilled before the fault, the one never spilled, and a spill after it are intact.
   EXPECT_EQ(AcquireAndRead(idb, 2 * kMiB), Pattern(2 * kMiB, 12));
   EXPECT_EQ(Read(c), Pattern(2 * kMiB, 13));
-  c->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({c});
   EXPECT_EQ(StateOf(c), Residency::kSpilled);
   EXPECT_EQ(AcquireAndRead(idc, 2 * kMiB), Pattern(2 * kMiB, 13));
 
@@ -221,9 +215,7 @@ TEST_F(OffloadFaultInjection, OffloadFailedEventDuringSpill) {
     EXPECT_EQ(AcquireAndRead(ida, 2 * kMiB), Pattern(2 * kMiB, 30 + n));
     std::shared_ptr<TestStorage> b = NewStorage(kMiB, 40 + n);
     const KeeperId idb = Save(b);
-    b->holders = 0;
-    engine_->ForwardEnd();
-    engine_->Synchronize();
+    EndForwardSavesOnly({b});
     EXPECT_EQ(StateOf(b), Residency::kSpilled);
     EXPECT_EQ(AcquireAndRead(idb, kMiB), Pattern(kMiB, 40 + n));
 
@@ -288,9 +280,7 @@ TEST_F(OffloadFaultInjection, OffloadFailedEventDuringReload) {
     Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
     std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 50 + n);
     const KeeperId ida = Save(a);
-    a->holders = 0;
-    engine_->ForwardEnd();
-    engine_->Synchronize();
+    EndForwardSavesOnly({a});
     ASSERT_EQ(StateOf(a), Residency::kSpilled);
 
     auto hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);
@@ -326,9 +316,7 @@ TEST_F(OffloadFaultInjection, OffloadDropWhilePrefetchingKeepsTheCopyOrdered) {
   const KeeperId ida = Save(a);
   const KeeperId idb = Save(b);
   a->holders = 0;
-  b->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({b});
   ASSERT_EQ(StateOf(a), Residency::kSpilled);
   ASSERT_EQ(StateOf(b), Residency::kSpilled);
 

@@ -179,9 +179,7 @@ TEST_F(OffloadHeardLate, OffloadADropThatHearsItsSpillFailedCountsItOnce) {
   Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
   std::shared_ptr<TestStorage> b = NewStorage(2 * kMiB, 98);
   const KeeperId idb = Save(b);
-  b->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({b});
   ASSERT_EQ(StateOf(b), Residency::kSpilled);
   std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 99);
   const KeeperId ida = Save(a);
@@ -256,9 +254,7 @@ TEST_F(OffloadHeardFailure, OffloadAFailureAnotherThreadIsPassingOnFailsTheReloa
   std::shared_ptr<TestStorage> a = NewStorage(12 * kMiB, 87);
   const KeeperId idx = Save(x);
   const KeeperId ida = Save(a);
-  x->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({x});
   ASSERT_EQ(StateOf(x), Residency::kSpilled);
   const StreamRef h2d = engine_->h2d_stream_for_testing(0);  // takes the engine's lock: not later
   auto h2d_hold = backend_->hold_stream(0, h2d.handle);
@@ -370,9 +366,7 @@ TEST_F(OffloadHeardFailure, OffloadASpillWhosePoolHearsTwoFailuresGoesOn) {
   const KeeperId ida = Save(a);
   const KeeperId idb = Save(b);
   const KeeperId idc = Save(c);
-  a->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({a});
   ASSERT_EQ(StateOf(a), Residency::kSpilled);
   {
     // a's reload fails on the copy-back stream, and a is dropped while it is queued: its host
@@ -401,9 +395,7 @@ TEST_F(OffloadHeardFailure, OffloadASpillWhosePoolHearsTwoFailuresGoesOn) {
   // The pool has heard everything now: the next save spills and comes back whole.
   std::shared_ptr<TestStorage> d = NewStorage(2 * kMiB, 94);
   const KeeperId idd = Save(d);
-  d->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({d});
   EXPECT_EQ(StateOf(d), Residency::kSpilled);
   EXPECT_EQ(AcquireAndRead(idd, 2 * kMiB), Pattern(2 * kMiB, 94));
   c.reset();
@@ -425,9 +417,7 @@ TEST_F(OffloadHeardFailure, OffloadASpillsFailureThePoolHearsSparesReloads) {
   const KeeperId ida = Save(a);
   const KeeperId idc = Save(c);
   const KeeperId idd = Save(d);
-  a->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({a});
   ASSERT_EQ(StateOf(a), Residency::kSpilled);
   // a's copy back waits behind a hold; its consumer is another stream, so that the compute
   // stream (which c's spill waits for) does not wait for it.

@@ -99,9 +99,7 @@ TEST_F(OffloadPrefetchTest, OffloadAStorageSavedAgainPrefetchesFromTheSaveBeingR
     saved.back()->holders = 0;
   }
   const KeeperId again = Save(shared);
-  shared->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({shared});
   ASSERT_EQ(StateOf(shared), Residency::kSpilled);
   // Backward reads the latest save first; the two saves made before it come back meanwhile.
   void* ptr = engine_->Acquire(again, compute_);
@@ -137,9 +135,7 @@ TEST_F(OffloadPrefetchTest, OffloadAnOlderKeeperPrefetchesFromItsOwnSave) {
   const KeeperId between_id = Save(between);
   between->holders = 0;
   const KeeperId again = Save(shared);
-  shared->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({shared});
   ASSERT_EQ(StateOf(between), Residency::kSpilled);
   void* ptr = engine_->Acquire(first, compute_);
   EXPECT_EQ(ReadOn(compute_, ptr, 2 * kMiB), Pattern(2 * kMiB, 201));
@@ -196,9 +192,7 @@ TEST_F(OffloadPrefetchTest, OffloadASaveWhoseKeepersWentIsNoReasonToPrefetch) {
   const KeeperId between_id = Save(between);
   const KeeperId late_again = Save(late);
   late->holders = 0;
-  between->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({between});
   ASSERT_EQ(StateOf(late), Residency::kSpilled);
   engine_->RemoveKeeper(late_first);  // its graph went without reading it
   // Prefetch from `between` walks the saves older than it: the gone one is the only save there.
@@ -212,9 +206,7 @@ TEST_F(OffloadPrefetchTest, OffloadASaveWhoseKeepersWentIsNoReasonToPrefetch) {
   late.reset();
   auto after = NewStorage(2 * kMiB, 312);
   const KeeperId after_id = Save(after);
-  after->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({after});
   EXPECT_EQ(AcquireAndRead(after_id, 2 * kMiB), Pattern(2 * kMiB, 312));
   EXPECT_EQ(EngineStat("num_reloads"), 2);
   engine_->RemoveKeeper(after_id);
@@ -229,9 +221,7 @@ TEST_F(OffloadPrefetchTest, OffloadTwoViewsAcquiredDuringOneReloadAreOneStall) {
   std::shared_ptr<TestStorage> a = NewStorage(2 * kMiB, 9);
   const KeeperId whole = Save(a);
   const KeeperId half = Save(a, /*offset=*/kMiB);
-  a->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({a});
   ASSERT_EQ(StateOf(a), Residency::kSpilled);
   {
     auto hold = backend_->hold_stream(0, engine_->h2d_stream_for_testing(0).handle);

@@ -173,9 +173,7 @@ TEST_F(OffloadTakeBack, ASpillWhoseCopyFinishedIsReloaded) {
   Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
   std::shared_ptr<TestStorage> s = NewStorage(4 * kMiB, 12);
   const KeeperId id = Save(s);
-  s->holders = 0;
-  engine_->ForwardEnd();
-  engine_->Synchronize();
+  EndForwardSavesOnly({s});
   ASSERT_EQ(StateOf(s), Residency::kSpilled);
   EXPECT_EQ(AcquireAndRead(id, 4 * kMiB), Pattern(4 * kMiB, 12));
   EXPECT_EQ(EngineStat("num_taken_back"), 0);

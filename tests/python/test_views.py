@@ -41,6 +41,17 @@ def make_view(kind, base):
     raise AssertionError(kind)
 
 
+def run_spilling_one_storage(forward):
+    """Runs `forward` under eager offload and returns its output once its one saved storage is
+    spilled (the copy to the host done), so that backward reads it back from the host."""
+    spills = stat("spillway.num_spills")
+    with spillway.offload("eager", min_bytes=0, prefetch_bytes=0):
+        out = forward()
+    spillway.synchronize()
+    assert stat("spillway.num_spills") == spills + 1
+    return out
+
+
 @pytest.mark.parametrize("kind", ["expand", "transpose", "slice", "as_strided_overlap",
                                   "noncontiguous"])
 def test_view_comes_back_with_exact_geometry(kind):
@@ -55,11 +66,7 @@ def test_view_comes_back_with_exact_geometry(kind):
                     "offset": view.storage_offset(), "values": view.clone()}
         return CheckView.apply(x, view, expected)
 
-    spills = stat("spillway.num_spills")
-    with spillway.offload("eager", min_bytes=0, prefetch_bytes=0):
-        out = forward()
-    spillway.synchronize()
-    assert stat("spillway.num_spills") == spills + 1
+    out = run_spilling_one_storage(forward)
     out.sum().backward()
     assert torch.equal(x.grad, torch.full_like(x, 2.0))
 
@@ -122,11 +129,7 @@ def test_conj_and_neg_bits_come_back():
                     "values": view.resolve_conj()}
         return CheckView.apply(x, view, expected)
 
-    spills = stat("spillway.num_spills")
-    with spillway.offload("eager", min_bytes=0, prefetch_bytes=0):
-        out = forward()
-    spillway.synchronize()
-    assert stat("spillway.num_spills") == spills + 1
+    out = run_spilling_one_storage(forward)
     out.real.sum().backward()
 
 
