@@ -65,6 +65,11 @@ def main():
     if args.config == "save_on_cpu" and args.device != "cuda":
         parser.error("save_on_cpu has no meaning on the simulated device (it is host memory)")
 
+    if args.device == "sim":
+        # One intra-op thread: the rows are compared bitwise, and on a loaded machine torch's CPU
+        # kernels on two threads do not always reduce in the same order (beside busy processes a
+        # run without Spillway trained to a one-thread run's losses, 2026-12-07).
+        torch.set_num_threads(1)
     uses_spillway = args.device == "sim" or args.config in ("spillway", "eager", "auto")
     if uses_spillway:
         import spillway

@@ -7,10 +7,20 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-import torch
+# One intra-op thread, here and in the scripts the tests start (they inherit the variable), set
+# before torch starts its thread pools. Runs are compared bitwise, and on a loaded machine torch's
+# CPU kernels do not always reduce in the same order: beside two busy processes, plain PyTorch
+# (Spillway not imported) trained the demo's model to two sets of losses in 12 runs, the other
+# one a one-thread run's (2026-12-07: the "contention bug" of 2026-12-04, docs/reliability.md). One
+# thread also keeps OpenMP's spinning barriers from slowing the suite beside scripts/test's lanes.
+os.environ["OMP_NUM_THREADS"] = "1"
 
-import spillway
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import spillway  # noqa: E402
+
+torch.set_num_threads(1)  # also where something imported torch before this file
 
 SIM_CAPACITY = 2 << 30
 
