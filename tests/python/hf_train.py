@@ -92,8 +92,8 @@ def main(name, out_dir, auto_fraction=None):
     its device memory."""
     import spillway
 
-    # Bitwise reproducible from run to run: one thread, deterministic algorithms.
-    torch.set_num_threads(1)
+    # Bitwise reproducible from run to run: deterministic algorithms, and one intra-op thread (the
+    # tests that run this set OMP_NUM_THREADS=1: tests/python/conftest.py).
     torch.use_deterministic_algorithms(True)
     spillway.install("sim", capacity_bytes=2 << 30)
 

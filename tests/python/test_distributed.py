@@ -48,8 +48,7 @@ import tiny_lm
 
 mode, init, out = sys.argv[1], sys.argv[4], sys.argv[5]
 rank, world = int(sys.argv[2]), int(sys.argv[3])
-torch.set_num_threads(1)
-torch.use_deterministic_algorithms(True)
+torch.use_deterministic_algorithms(True)  # one intra-op thread: conftest's OMP_NUM_THREADS
 dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
                         timeout=datetime.timedelta(seconds=60))
 
@@ -187,7 +186,7 @@ def launch(tmp_path, mode, world=WORLD):
     for var in ("SPILLWAY_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         env.pop(var, None)
     env.update(PYTHONPATH=os.pathsep.join([PACKAGE_ROOT, BENCH]), GLOO_SOCKET_IFNAME="lo",
-               OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+               MASTER_ADDR="127.0.0.1")
     procs, logs = [], []
     for rank in range(world):
         log = open(tmp_path / f"{mode}_rank{rank}.log", "w+")

@@ -133,7 +133,6 @@ _THREADS_SCRIPT = """
     import threading, torch, spillway
     spillway.install("sim", capacity_bytes=1 << 30)
     spillway.record_history(True, stacks="python")  # allocations and frees take the GIL for stacks
-    torch.set_num_threads(1)
 
     def run(seed, steps, out):
         gen = torch.Generator().manual_seed(seed)  # torch's default generator is the process's

@@ -154,9 +154,10 @@ TRAINER_SCRIPT = """
 
 
 def trainer_run(env):
-    # One thread in both runs: the same reductions, so bitwise equal losses.
+    # One thread in both runs (conftest's OMP_NUM_THREADS): the same reductions, so bitwise equal
+    # losses.
     result = run_script(PRELUDE + textwrap.dedent(TRAINER_SCRIPT), timeout=600,
-                        env={"PYTHONUSERBASE": SITE, "OMP_NUM_THREADS": "1", **env})
+                        env={"PYTHONUSERBASE": SITE, **env})
     assert result.returncode == 0, result.stderr[-8000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, result.stdout[-4000:]
