@@ -56,7 +56,6 @@ if [ $built = 1 ]; then
   if [ "$bench_budget" -lt 60 ]; then
     record "llm_step (cuda)" NO-TIME "$(left) s left"
   else
-    # Its own budget ends the matrix; the timeout is for a hang.
     # Its own budget ends the matrix (no job outlives it); the timeout is for a hang, and its
     # SIGTERM still leaves the rows that ran in llm_step.json and the summary in the log.
     timeout $((bench_budget + reserve - 5)) env \
