@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <sstream>
 
@@ -142,6 +143,15 @@ std::shared_ptr<SavedHandle> Pack(const at::Tensor& tensor, std::optional<SaveSe
     return std::make_shared<SavedHandle>(tensor);
   }
   const int device = DeviceIndexOf(tensor);
+  // A save made while the autograd engine runs a backward on this thread that frees its graph as
+  // it goes (a reentrant checkpoint's recomputation) is read within that backward: the engine
+  // keeps it on the device and counts it in no forward (SavePhase). A backward that keeps its
+  // graph (create_graph, retain_graph) may be saving for a later backward, which reads it as it
+  // reads a forward's saves: those are a forward's. Under an offload block around the whole step,
+  // or the environment hook's process-wide hooks, such saves reach the hooks as any other.
+  const bool in_backward = torch::autograd::get_current_graph_task_id() != -1 &&
+                           !torch::autograd::get_current_graph_task_keep_graph();
+  const SavePhase phase = in_backward ? SavePhase::kBackward : SavePhase::kForward;
   ViewInfo view;
   view.offset = tensor.storage_offset();
   view.sizes = tensor.sizes().vec();
@@ -150,7 +160,7 @@ std::shared_ptr<SavedHandle> Pack(const at::Tensor& tensor, std::optional<SaveSe
   const std::optional<KeeperId> id = engine.AddKeeper(
       storage.unsafeGetStorageImpl(),
       [&] { return std::make_shared<TorchStorage>(storage, device); }, std::move(view),
-      runtime.CurrentStream(device), settings);
+      runtime.CurrentStream(device), settings, phase);
   if (!id) return std::make_shared<SavedHandle>(tensor);
   return std::make_shared<SavedHandle>(*id, tensor);
 }

@@ -89,6 +89,16 @@ struct SaveSettings {
   size_t min_bytes = 0;      // a storage smaller than this at its first save is never spilled
 };
 
+// When a save is made. kBackward: while a backward runs that reads it before it ends (a reentrant
+// checkpoint's recomputation: the hooks layer asks autograd, and takes a backward that keeps its
+// graph, as create_graph does, for a forward, since a later backward reads what it saves).
+// Spilling such a save would cost a copy each way for nothing (a reentrant checkpoint's
+// recomputations under eager moved 5.3x the bytes of its forward's saves, 2026-12-07). So it stays
+// on the device, as a save under "off" does (counted once as skipped for "backward"), and it is no
+// forward's: it neither begins a forward nor counts in one (the footprint adaptive prefetch keeps
+// to, eager's bound, auto's spills ahead).
+enum class SavePhase { kForward, kBackward };
+
 class EngineLock;  // engine_internal.h
 
 class OffloadEngine {
@@ -104,12 +114,14 @@ class OffloadEngine {
   // the storage alive. `make_storage` is called only when the storage has no entry yet, so one
   // binding serves every view. Returns nullopt, counting the reason, for a storage the engine
   // will not manage (zero bytes, not allocated by Spillway). `settings`: the save's own (see
-  // SaveSettings); without them, the configuration's policy ("off" or not) and min_bytes. Runs the
-  // policy afterwards; should that throw (a ProgramStreamError), the keeper is not registered.
+  // SaveSettings); without them, the configuration's policy ("off" or not) and min_bytes. `phase`:
+  // when the save was made (SavePhase). Runs the policy afterwards; should that throw (a
+  // ProgramStreamError), the keeper is not registered.
   using StorageFactory = std::function<std::shared_ptr<Storage>()>;
   std::optional<KeeperId> AddKeeper(const void* key, const StorageFactory& make_storage,
                                     ViewInfo view, StreamRef producer,
-                                    std::optional<SaveSettings> settings = std::nullopt);
+                                    std::optional<SaveSettings> settings = std::nullopt,
+                                    SavePhase phase = SavePhase::kForward);
   // The storage a keeper keeps (to rebuild its view), or null for an unknown keeper.
   std::shared_ptr<Storage> StorageOf(KeeperId id) const;
   // Blocks the host until the copies in flight for the keeper's storage are done: for consumers

@@ -15,38 +15,43 @@ namespace spillway {
 std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
                                                  const StorageFactory& make_storage, ViewInfo view,
                                                  StreamRef producer,
-                                                 std::optional<SaveSettings> settings) {
+                                                 std::optional<SaveSettings> settings,
+                                                 SavePhase phase) {
   // NOLINTEND(performance-unnecessary-value-param)
   if (key == nullptr || !make_storage) {
     throw InvalidArgumentError("OffloadEngine::AddKeeper: key and storage factory must be given");
   }
   EngineLock lock(mutex_, this);
-  const SaveSettings save =
+  SaveSettings save =
       settings.value_or(SaveSettings{config_.policy == OffloadPolicy::kOff, config_.min_bytes});
+  const bool in_backward = phase == SavePhase::kBackward;
+  if (in_backward) save.never_spill = true;  // read soon, in this backward: see SavePhase
   Entry* const entry = EntryForSave(key, make_storage, producer, save);
   if (entry == nullptr) return std::nullopt;
   Entry& e = *entry;
-  // Forward's footprint, which adaptive prefetch keeps backward within (the saved bytes are still
-  // allocated now: a policy spills them only below).
   DeviceState& state = State(e.device);
-  const size_t allocated = AllocatedBytes(e.device);
-  const auto spilled = static_cast<size_t>(state.spilled_bytes);
-  if (state.footprint.OnSave(allocated)) {
-    state.quota.OnForwardStart();
-    // (The budget is asked for only under auto: on CUDA the query makes the device's context.)
-    if (config_.policy == OffloadPolicy::kAuto) {
-      state.ahead.OnForwardStart(BudgetTarget(BudgetLocked(e.device)), allocated, spilled);
+  if (!in_backward) {
+    // Forward's footprint, which adaptive prefetch keeps backward within (the saved bytes are
+    // still allocated now: a policy spills them only below).
+    const size_t allocated = AllocatedBytes(e.device);
+    const auto spilled = static_cast<size_t>(state.spilled_bytes);
+    if (state.footprint.OnSave(allocated)) {
+      state.quota.OnForwardStart();
+      // (The budget is asked for only under auto: on CUDA the query makes the device's context.)
+      if (config_.policy == OffloadPolicy::kAuto) {
+        state.ahead.OnForwardStart(BudgetTarget(BudgetLocked(e.device)), allocated, spilled);
+      }
+      ++state.forward;
     }
-    ++state.forward;
+    state.ahead.OnSave(allocated, spilled);
+    // The forward the save is of, for eager's bound (ForwardSpillQuota).
+    e.forward = state.forward;
+    state.quota.OnSave();
   }
-  state.ahead.OnSave(allocated, spilled);
   if (!state.saved_on) {
     state.saved_on = true;
     ++saving_devices_;
   }
-  // The forward the save is of, for eager's bound (ForwardSpillQuota).
-  e.forward = state.forward;
-  state.quota.OnSave();
   // Saved before, and other saves since: backward reads it first at this save. Auto's spill order
   // and window take it as new (it kept its first save's place, outside the window, and went
   // first); older keepers keep their seqs, so each backward prefetches from its own save.
@@ -56,8 +61,12 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   // race-free program ordered that stream after every earlier write.
   e.producer = producer;
   // Each save follows the block it was saved in: a storage saved in an "off" block (say, nested in
-  // an "eager" one) stays on the device after that block ends, too.
-  if (save.never_spill) e.saved_under_off = true;
+  // an "eager" one) stays on the device after that block ends, too; so does one saved while a
+  // backward ran, whatever later saves of it say.
+  if (save.never_spill) {
+    if (in_backward && !e.never_spill && !e.policy_refused) CountSkipOf(e, kSkipBackward);
+    e.never_spill = true;
+  }
   const KeeperId id = table_.AddKeeper(e, std::move(view));
   // (A save of a storage whose bytes are on the host: a backward may read it here too.)
   if (e.state == Residency::kSpilling || e.state == Residency::kSpilled) table_.ListOffloaded(e);
@@ -120,7 +129,7 @@ Entry* OffloadEngine::EntryForSave(const void* key, const StorageFactory& make_s
     CountSkipLocked(kSkipSmall);
   }
   ++stats_.num_entries;
-  // A save under "off" is never spilled by a policy (saved_under_off, in AddKeeper).
+  // A save under "off" is never spilled by a policy (never_spill, in AddKeeper).
   return &table_.Insert(std::move(entry), sized, sized && !settings.never_spill);
 }
 

@@ -91,7 +91,9 @@ struct Entry {
   bool prefetched = false;          // reloaded ahead of use, not yet acquired
   bool acquiring = false;           // inside Acquire: its own prefetch must not spill it
   bool policy_refused = false;      // a spill was refused for a reason that will not change
-  bool saved_under_off = false;     // saved in an "off" block: never spilled, whatever comes later
+  // Saved in an "off" block, or while a backward ran (SavePhase::kBackward): never spilled,
+  // whatever comes later.
+  bool never_spill = false;
   // The forward of the entry's latest save (OffloadEngine's count, per device): eager's bound on
   // a forward's spills is on that forward's saves (ForwardSpillQuota).
   uint64_t forward = 0;

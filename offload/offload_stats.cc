@@ -21,8 +21,9 @@ std::map<std::string, int64_t> OffloadStats::Flatten() const {
       {"num_taken_back", num_taken_back},
       {"bytes_taken_back", bytes_taken_back},
   };
-  for (std::string_view reason : {kSkipSmall, kSkipNoPinned, kSkipHostLimit, kSkipForeign,
-                                  kSkipEmpty, kSkipCopyError, kSkipResized, kSkipLink}) {
+  for (std::string_view reason :
+       {kSkipSmall, kSkipNoPinned, kSkipHostLimit, kSkipForeign, kSkipEmpty, kSkipCopyError,
+        kSkipResized, kSkipLink, kSkipBackward}) {
     out["skipped." + std::string(reason)] = 0;
   }
   for (const auto& [reason, count] : skipped) out["skipped." + reason] = count;

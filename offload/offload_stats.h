@@ -22,6 +22,9 @@ inline constexpr std::string_view kSkipResized = "resized";
 // Kept by eager at the end of its forward: beyond what the link carried before backward in the run
 // of that forward before (ForwardSpillQuota, offload/policy.h).
 inline constexpr std::string_view kSkipLink = "link";
+// Saved while a backward that reads it ran (SavePhase::kBackward, offload/engine.h): kept on the
+// device.
+inline constexpr std::string_view kSkipBackward = "backward";
 
 struct OffloadStats {
   Stat spilled_bytes;  // entries spilling or spilled

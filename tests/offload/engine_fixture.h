@@ -104,11 +104,12 @@ class OffloadEngineTest : public ::testing::Test {
   }
 
   KeeperId Save(const std::shared_ptr<TestStorage>& s, int64_t offset = 0,
-                std::optional<SaveSettings> settings = std::nullopt) {
+                std::optional<SaveSettings> settings = std::nullopt,
+                SavePhase phase = SavePhase::kForward) {
     ViewInfo view = FloatView(s->nbytes());
     view.offset = offset;
     auto id = engine_->AddKeeper(
-        s.get(), [&] { return s; }, view, compute_, settings);
+        s.get(), [&] { return s; }, view, compute_, settings, phase);
     EXPECT_TRUE(id.has_value());
     return id.value_or(0);
   }

@@ -68,6 +68,29 @@ TEST_F(OffloadPolicyTest, OffloadASaveFollowsItsOwnSettingsOverTheConfiguration)
   EXPECT_EQ(EngineStat("skipped.small"), 1);
 }
 
+// A save made while a backward runs (a reentrant checkpoint's recomputation) is read in that
+// backward: eager keeps it on the device (as a save under "off": the rescue too) and counts it
+// once. (As a forward's save, eager spilled it at once.)
+TEST_F(OffloadPolicyTest, OffloadASaveMadeInBackwardStaysOnTheDevice) {
+  Make(Policy(OffloadPolicy::kEager), 64 * kMiB, std::chrono::microseconds{0});
+  auto forward = NewStorage(2 * kMiB, 1);
+  const KeeperId forward_id = Save(forward);
+  EndForwardSavesOnly({forward});
+  ASSERT_EQ(StateOf(forward), Residency::kSpilled);
+  EXPECT_EQ(AcquireAndRead(forward_id, 2 * kMiB), Pattern(2 * kMiB, 1));
+  auto recomputed = NewStorage(2 * kMiB, 2);
+  const KeeperId recomputed_id = Save(recomputed, 0, std::nullopt, SavePhase::kBackward);
+  Save(recomputed, 0, std::nullopt, SavePhase::kBackward);  // a second view: counted once
+  recomputed->holders = 0;                                  // only its saves keep it
+  engine_->RunPolicy();
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(recomputed), Residency::kResident) << "eager spilled a save of backward";
+  EXPECT_EQ(EngineStat("skipped.backward"), 1);
+  engine_->ReleaseMemory(0, 64 * kMiB);
+  EXPECT_EQ(StateOf(recomputed), Residency::kResident) << "the rescue spilled it";
+  EXPECT_EQ(AcquireAndRead(recomputed_id, 2 * kMiB), Pattern(2 * kMiB, 2));
+}
+
 TEST_F(OffloadPolicyTest, OffloadEagerSpillsEveryEligibleEntryByForwardEnd) {
   Make(Policy(OffloadPolicy::kEager, kMiB), 256 * kMiB, std::chrono::microseconds{0});
   std::vector<std::shared_ptr<TestStorage>> saved;

@@ -112,6 +112,29 @@ TEST_F(OffloadLinkQuota, TheOutOfMemoryRescueSpillsWhatTheBoundKept) {
   DropAllAndExpectNoLeaks({});
 }
 
+// Under the environment hook nothing ends a forward, so the saves the bound deferred wait, on the
+// device, for backward. A save backward makes (a reentrant checkpoint's recomputation) begins no
+// forward: as a forward's save after a read, it made the deferred ones another forward's, and
+// eager spilled them just before backward read them.
+TEST_F(OffloadLinkQuota, ASaveMadeInBackwardBeginsNoForward) {
+  ForwardAllTakenBackTwice(2, 50);  // the next run of the forward keeps both saves
+  Saves second;
+  for (uint32_t i = 0; i < 2; ++i) second.push_back(SaveNew(60 + i));
+  for (const auto& s : second) s->holders = 0;
+  engine_->RunPolicy();  // no ForwardEnd: no offload() block under the environment hook
+  ASSERT_EQ(Spilled(second), 0);
+  const KeeperId newest = ids_.at(second[1].get());
+  EXPECT_EQ(AcquireAndRead(newest, 4 * kMiB), Pattern(4 * kMiB, 61));
+  auto recomputed = NewStorage(4 * kMiB, 70);
+  const KeeperId recomputed_id = Save(recomputed, 0, std::nullopt, SavePhase::kBackward);
+  engine_->Synchronize();
+  EXPECT_EQ(StateOf(second[0]), Residency::kResident) << "a backward's save began a forward";
+  engine_->RemoveKeeper(recomputed_id);
+  recomputed.reset();
+  Backward(second, 60);
+  DropAllAndExpectNoLeaks({});
+}
+
 TEST_F(OffloadLinkQuota, AnotherPolicyForgetsTheBound) {
   ForwardAllTakenBackTwice(2, 70);
   AnotherPolicyInBetween(OffloadPolicy::kOff);

@@ -1,7 +1,8 @@
 """Soak: random training-like workloads on the simulated device, each step compared bitwise with
-the same step without Spillway's offload, under every policy, with checkpointing on and off, and
-with a memory limit tight enough to force the out-of-memory rescue. Device and host memory must
-return to their baseline after every step.
+the same step without Spillway's offload, under every policy, with checkpointing (reentrant or
+not) on and off, the offload block closed after forward or open through backward, and with a
+memory limit tight enough to force the out-of-memory rescue. Device and host memory must return to
+their baseline after every step.
 
     scripts/soak SECONDS        (CI runs 30 seconds)
 """
@@ -50,26 +51,33 @@ def make_model(seed, depth, width):
     return torch.nn.Sequential(*[Block(width, rng) for _ in range(depth)])
 
 
-def step(seed, depth, width, batch, checkpoint, offload):
+def step(seed, depth, width, batch, checkpoint, offload, whole_step=False):
+    """One training step; `checkpoint`: None, "non_reentrant" or "reentrant" (every other block);
+    `whole_step`: the offload block stays open through backward (where a reentrant checkpoint's
+    recomputation saves through Spillway's hooks too)."""
     model = make_model(seed, depth, width)
     torch.manual_seed(seed + 1)
-    x = torch.randn(batch, width)
+    # Requiring grad: a reentrant checkpoint gives its region's parameters none otherwise.
+    x = torch.randn(batch, width).requires_grad_()
 
     def forward():
         h = x
         for i, block in enumerate(model):
             if checkpoint and i % 2 == 0:
-                h = cp.checkpoint(block, h, use_reentrant=False)
+                h = cp.checkpoint(block, h, use_reentrant=checkpoint == "reentrant")
             else:
                 h = block(h)
         return h.square().mean()
 
     if offload is None:
-        loss = forward()
+        forward().backward()
+    elif whole_step:
+        with offload():
+            forward().backward()
     else:
         with offload():
             loss = forward()
-    loss.backward()
+        loss.backward()
     return [p.grad.clone() for p in model.parameters()]
 
 
@@ -84,7 +92,9 @@ def main():
     while time.monotonic() < deadline:
         seed = rng.randrange(1 << 30)
         depth, width = rng.randint(2, 6), rng.choice([64, 96, 128, 256])
-        batch, checkpoint = rng.choice([64, 128, 256]), rng.random() < 0.3
+        batch = rng.choice([64, 128, 256])
+        checkpoint = rng.choice(["non_reentrant", "reentrant"]) if rng.random() < 0.3 else None
+        whole_step = rng.random() < 0.3
         policy = rng.choice(["eager", "auto", "off"])
         spillway.reset_peak_stats()
         reference = step(seed, depth, width, batch, checkpoint, None)
@@ -99,10 +109,12 @@ def main():
         try:
             got = step(seed, depth, width, batch, checkpoint,
                        lambda: spillway.offload(policy, budget_bytes=budget, min_bytes=0,
-                                                prefetch_bytes=rng.choice([0, 1 << 16, 1 << 20])))
+                                                prefetch_bytes=rng.choice([0, 1 << 16, 1 << 20])),
+                       whole_step)
             if any(not torch.equal(a, b) for a, b in zip(got, reference)):
                 counts["mismatches"] += 1
-                print(f"MISMATCH seed={seed} depth={depth} width={width} policy={policy}")
+                print(f"MISMATCH seed={seed} depth={depth} width={width} policy={policy} "
+                      f"checkpoint={checkpoint} whole_step={whole_step}")
             del got
         except RuntimeError as error:  # OutOfMemoryError, or it wrapped by a checkpoint's recompute
             if "out of memory" not in str(error):
