@@ -232,13 +232,13 @@ void OffloadEngine::StartStall(Entry& e) {
 }
 
 bool OffloadEngine::Eligible(const Entry& e) const {
-  return e.state == Residency::kResident && !e.acquiring && !e.never_spill &&
+  return e.state == Residency::kResident && !e.acquiring && !e.saved_under_off &&
          e.storage->data() != nullptr && e.storage->external_holders() == 0;
 }
 
 bool OffloadEngine::PolicyMaySpill(const Entry& e) {
   return e.state == Residency::kResident && !e.policy_refused && !e.acquired && !e.prefetched &&
-         !e.never_spill;
+         !e.saved_under_off && !e.saved_in_backward;
 }
 
 void OffloadEngine::CountSkipOf(Entry& e, std::string_view reason) {

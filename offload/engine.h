@@ -91,12 +91,13 @@ struct SaveSettings {
 
 // When a save is made. kBackward: while a backward runs that reads it before it ends (a reentrant
 // checkpoint's recomputation: the hooks layer asks autograd, and takes a backward that keeps its
-// graph, as create_graph does, for a forward, since a later backward reads what it saves).
+// graph, as create_graph does, for a forward, since a later backward may read what it saves).
 // Spilling such a save would cost a copy each way for nothing (a reentrant checkpoint's
-// recomputations under eager moved 5.3x the bytes of its forward's saves, 2026-12-07). So it stays
-// on the device, as a save under "off" does (counted once as skipped for "backward"), and it is no
-// forward's: it neither begins a forward nor counts in one (the footprint adaptive prefetch keeps
-// to, eager's bound, auto's spills ahead).
+// recomputations under eager moved 5.3x what its forward spilled, 2026-12-07). So no policy
+// spills it (the out-of-memory rescue may: a recomputation that does not fit otherwise), nor does
+// the save run a policy; it is counted once as skipped for "backward" where it keeps a storage on
+// the device. And it is no forward's: it neither begins a forward nor counts in one (the
+// footprint adaptive prefetch keeps to, eager's bound, auto's spills ahead and its window).
 enum class SavePhase { kForward, kBackward };
 
 class EngineLock;  // engine_internal.h
@@ -234,7 +235,7 @@ class OffloadEngine {
   // has memory again is set aside). Null when the engine cannot keep the storage (empty, or not
   // a whole block of its allocator), counted as a skip.
   Entry* EntryForSave(const void* key, const StorageFactory& make_storage, StreamRef producer,
-                      const SaveSettings& settings);
+                      const SaveSettings& settings, bool in_backward);
   Entry& EntryOf(KeeperId id) const { return *table_.KeeperOf(id).entry; }
   // Takes `e` out of the table with its copies; its storage goes once no engine lock is held.
   void Drop(Entry& e);

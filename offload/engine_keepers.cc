@@ -22,11 +22,10 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
     throw InvalidArgumentError("OffloadEngine::AddKeeper: key and storage factory must be given");
   }
   EngineLock lock(mutex_, this);
-  SaveSettings save =
+  const SaveSettings save =
       settings.value_or(SaveSettings{config_.policy == OffloadPolicy::kOff, config_.min_bytes});
   const bool in_backward = phase == SavePhase::kBackward;
-  if (in_backward) save.never_spill = true;  // read soon, in this backward: see SavePhase
-  Entry* const entry = EntryForSave(key, make_storage, producer, save);
+  Entry* const entry = EntryForSave(key, make_storage, producer, save, in_backward);
   if (entry == nullptr) return std::nullopt;
   Entry& e = *entry;
   DeviceState& state = State(e.device);
@@ -54,24 +53,33 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   }
   // Saved before, and other saves since: backward reads it first at this save. Auto's spill order
   // and window take it as new (it kept its first save's place, outside the window, and went
-  // first); older keepers keep their seqs, so each backward prefetches from its own save.
-  if (e.seq != table_.next_seq() - 1) table_.Resequence(e);
+  // first); older keepers keep their seqs, so each backward prefetches from its own save. (A
+  // backward's save of a forward's storage is no forward's: the entry keeps its place.)
+  if (!in_backward && e.seq != table_.next_seq() - 1) table_.Resequence(e);
   // A spill waits for the stream of the latest save: the program wrote the storage there last
   // (the stream of an earlier save, whose graph may be gone, knows nothing of that write), and a
   // race-free program ordered that stream after every earlier write.
   e.producer = producer;
   // Each save follows the block it was saved in: a storage saved in an "off" block (say, nested in
   // an "eager" one) stays on the device after that block ends, too; so does one saved while a
-  // backward ran, whatever later saves of it say.
-  if (save.never_spill) {
-    if (in_backward && !e.never_spill && !e.policy_refused) CountSkipOf(e, kSkipBackward);
-    e.never_spill = true;
+  // backward ran (from policies, not from the rescue), whatever later saves of it say.
+  if (save.never_spill) e.saved_under_off = true;
+  if (in_backward) {
+    // Counted where it keeps a storage on the device: not for a forward's save that was spilled
+    // and read back before backward saved it again (a reentrant region's input).
+    if (!e.saved_in_backward && !e.policy_refused && e.spill_count == 0) {
+      CountSkipOf(e, kSkipBackward);
+    }
+    e.saved_in_backward = true;
   }
   const KeeperId id = table_.AddKeeper(e, std::move(view));
   // (A save of a storage whose bytes are on the host: a backward may read it here too.)
   if (e.state == Residency::kSpilling || e.state == Residency::kSpilled) table_.ListOffloaded(e);
   try {
-    RunPolicyLocked();
+    // A policy has nothing to do at a backward's save: no policy spills it, and what it would
+    // spill now (auto's spills ahead of the forward backward is reading) waits for the next
+    // forward.
+    if (!in_backward) RunPolicyLocked();
   } catch (...) {
     RemoveKeeperLocked(id);  // the caller never learns the id: the keeper must not outlive it
     throw;
@@ -81,7 +89,8 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
 }
 
 Entry* OffloadEngine::EntryForSave(const void* key, const StorageFactory& make_storage,
-                                   StreamRef producer, const SaveSettings& settings) {
+                                   StreamRef producer, const SaveSettings& settings,
+                                   bool in_backward) {
   // The storage's binding, kept by its failed entries set aside: a second binding would count the
   // first as a holder, and the new entry would never be spilled.
   std::shared_ptr<Storage> bound;
@@ -129,8 +138,11 @@ Entry* OffloadEngine::EntryForSave(const void* key, const StorageFactory& make_s
     CountSkipLocked(kSkipSmall);
   }
   ++stats_.num_entries;
-  // A save under "off" is never spilled by a policy (never_spill, in AddKeeper).
-  return &table_.Insert(std::move(entry), sized, sized && !settings.never_spill);
+  // A save under "off" is never spilled by a policy (saved_under_off, in AddKeeper), nor one of
+  // backward (saved_in_backward), which is no forward's saves' either: not in the prefetch window
+  // `auto` keeps for the forward's newest.
+  return &table_.Insert(std::move(entry), sized && !in_backward,
+                        sized && !settings.never_spill && !in_backward);
 }
 
 std::shared_ptr<Storage> OffloadEngine::StorageOf(KeeperId id) const {

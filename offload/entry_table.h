@@ -91,9 +91,10 @@ struct Entry {
   bool prefetched = false;          // reloaded ahead of use, not yet acquired
   bool acquiring = false;           // inside Acquire: its own prefetch must not spill it
   bool policy_refused = false;      // a spill was refused for a reason that will not change
-  // Saved in an "off" block, or while a backward ran (SavePhase::kBackward): never spilled,
-  // whatever comes later.
-  bool never_spill = false;
+  bool saved_under_off = false;     // saved in an "off" block: never spilled, whatever comes later
+  // Saved while a backward that reads it ran (SavePhase::kBackward): no policy spills it, the
+  // out-of-memory rescue may (a recomputation that does not fit otherwise). Whatever comes later.
+  bool saved_in_backward = false;
   // The forward of the entry's latest save (OffloadEngine's count, per device): eager's bound on
   // a forward's spills is on that forward's saves (ForwardSpillQuota).
   uint64_t forward = 0;

@@ -324,6 +324,48 @@ def test_eager_learns_what_a_slow_link_carries_with_no_offload_block():
     unbound, bound = out["steps"][:2], out["steps"][3:]
     for step in unbound:  # the premise: the link is slow, backward took most of it back
         assert step["bytes_taken_back"] > step["bytes_to_host"] / 2, out["steps"]
+    # Bound, each step sends about what crossed in the unbound ones (a slower CPU lets more cross:
+    # the bound follows), growing by an eighth where nothing was taken back.
+    across = max(s["bytes_to_host"] - s["bytes_taken_back"] for s in unbound)
     sent = sum(s["bytes_to_host"] for s in bound) / len(bound)
-    assert sent < unbound[0]["bytes_to_host"] / 4, out["steps"]
+    assert sent <= across + unbound[0]["bytes_to_host"] / 4, out["steps"]
     assert sum(s["bytes_taken_back"] for s in bound) < unbound[1]["bytes_taken_back"], out["steps"]
+
+
+def test_a_reentrant_checkpoints_recomputation_stays_under_the_variable():
+    """The environment hook's saved-tensor hooks are process-wide, so a reentrant checkpoint's
+    recomputation in backward saves through them: those saves stay on the device (eager spilled
+    and reloaded each before 2026-12-07), and eager spills what the forward kept, the regions'
+    inputs, with gradients bitwise equal to plain PyTorch's."""
+    script = """
+        import hashlib, json, torch
+        from torch.utils.checkpoint import checkpoint
+        import spillway
+        torch.manual_seed(0)
+        layers = [torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(),
+                                      torch.nn.Linear(512, 128)) for _ in range(4)]
+        h = torch.randn(32, 256, 128, requires_grad=True)
+        for layer in layers:
+            h = h + checkpoint(layer, h, use_reentrant=True)
+        h.square().mean().backward()
+        digest = hashlib.sha256()
+        for p in (p for layer in layers for p in layer.parameters()):
+            digest.update(p.grad.numpy().tobytes())
+        out = {"grads": digest.hexdigest()}
+        if spillway.installed() is not None:
+            spillway.synchronize()
+            stats = spillway.memory_stats()
+            out.update(spilled=stats["spillway.bytes_to_host"],
+                       kept=stats["spillway.skipped.backward"])
+        print(json.dumps(out))
+    """
+    reference = conftest.run_script(script)
+    assert reference.returncode == 0, reference.stderr
+    result = run_script(script, env={"PYTHONUSERBASE": SITE,
+                                     "SPILLWAY_ALLOC_CONF": "device:sim,offload:eager"})
+    assert result.returncode == 0, result.stderr
+    out, ref = json.loads(result.stdout), json.loads(reference.stdout)
+    assert out["grads"] == ref["grads"]
+    inputs = 4 * 32 * 256 * 128 * 4  # each region's input: 4 MiB
+    assert inputs * 3 // 4 <= out["spilled"] <= inputs, out["spilled"]
+    assert out["kept"] >= 2 * 4, out["kept"]  # each region's recomputed activations
