@@ -148,10 +148,11 @@ std::shared_ptr<SavedHandle> Pack(const at::Tensor& tensor, std::optional<SaveSe
   // keeps it on the device and counts it in no forward (SavePhase). A backward that keeps its
   // graph (create_graph, retain_graph) may be saving for a later backward, which reads it as it
   // reads a forward's saves: those are a forward's. Under an offload block around the whole step,
-  // or the environment hook's process-wide hooks, such saves reach the hooks as any other.
-  const bool in_backward = torch::autograd::get_current_graph_task_id() != -1 &&
-                           !torch::autograd::get_current_graph_task_keep_graph();
-  const SavePhase phase = in_backward ? SavePhase::kBackward : SavePhase::kForward;
+  // or the environment hook's process-wide hooks, such saves reach the hooks as any other. One
+  // thread-local read per save: outside any backward autograd answers "keeps its graph" (true).
+  const SavePhase phase = torch::autograd::get_current_graph_task_keep_graph()
+                              ? SavePhase::kForward
+                              : SavePhase::kBackward;
   ViewInfo view;
   view.offset = tensor.storage_offset();
   view.sizes = tensor.sizes().vec();

@@ -285,6 +285,15 @@ def test_a_misspelled_spillway_key_in_pytorchs_variable_is_reported():
     assert out["PYTORCH_CUDA_ALLOC_CONF"] == repr("max_split_size_mb:64")
 
 
+def with_and_without(script, conf):
+    """The JSON `script` prints under SPILLWAY_ALLOC_CONF=`conf`, and without Spillway."""
+    results = [run_script(script, env={"PYTHONUSERBASE": SITE, "SPILLWAY_ALLOC_CONF": conf}),
+               conftest.run_script(script)]
+    for result in results:
+        assert result.returncode == 0, result.stderr
+    return [json.loads(result.stdout) for result in results]
+
+
 LINK_SCRIPT = """
     import json
     import spillway, tiny_lm
@@ -313,13 +322,7 @@ def test_eager_learns_what_a_slow_link_carries_with_no_offload_block():
     back, still copying; from then on the forward sends only what crossed (measured 2026-12-07:
     14, 14, 1.5, 0, 1.5, 0 MiB to the host; the same as under `offload("eager")`). The losses
     are plain PyTorch's, bit for bit."""
-    reference = conftest.run_script(LINK_SCRIPT)
-    assert reference.returncode == 0, reference.stderr
-    env = {"PYTHONUSERBASE": SITE,
-           "SPILLWAY_ALLOC_CONF": "device:sim,offload:eager,sim_link_mb_per_s:16"}
-    result = run_script(LINK_SCRIPT, env=env)
-    assert result.returncode == 0, result.stderr
-    out, ref = json.loads(result.stdout), json.loads(reference.stdout)
+    out, ref = with_and_without(LINK_SCRIPT, "device:sim,offload:eager,sim_link_mb_per_s:16")
     assert out["losses"] == ref["losses"] and len(out["steps"]) == 6
     unbound, bound = out["steps"][:2], out["steps"][3:]
     for step in unbound:  # the premise: the link is slow, backward took most of it back
@@ -359,12 +362,7 @@ def test_a_reentrant_checkpoints_recomputation_stays_under_the_variable():
                        kept=stats["spillway.skipped.backward"])
         print(json.dumps(out))
     """
-    reference = conftest.run_script(script)
-    assert reference.returncode == 0, reference.stderr
-    result = run_script(script, env={"PYTHONUSERBASE": SITE,
-                                     "SPILLWAY_ALLOC_CONF": "device:sim,offload:eager"})
-    assert result.returncode == 0, result.stderr
-    out, ref = json.loads(result.stdout), json.loads(reference.stdout)
+    out, ref = with_and_without(script, "device:sim,offload:eager")
     assert out["grads"] == ref["grads"]
     inputs = 4 * 32 * 256 * 128 * 4  # each region's input: 4 MiB
     assert inputs * 3 // 4 <= out["spilled"] <= inputs, out["spilled"]
