@@ -125,6 +125,7 @@ void OffloadEngine::Drop(Entry& e) {
   // Out of the table, which is left whole before the entry is destroyed (at the end of this
   // scope). The engine's hold on the storage goes once no engine lock is held (DeferRelease).
   std::unique_ptr<Entry> gone = table_.Erase(e);
+  if (stats_.num_entries == 0) jumps_.OnEmpty();  // a cycle (a training step) ended
   DeferRelease(std::move(gone->storage));
 }
 
@@ -473,6 +474,7 @@ void* OffloadEngine::Acquire(KeeperId id, StreamRef consumer) {
   lock.Wait(allocated_, [&e] { return !e.allocating; });
   TakeHeardFailures(e.device);  // before a reload is issued, which they would fail too
   State(e.device).footprint.OnRead();
+  jumps_.OnRead(save_seq);
   Refresh(e);
   switch (e.state) {
     case Residency::kFailed:

@@ -63,6 +63,7 @@
 #include "allocator/caching_allocator.h"
 #include "allocator/config.h"
 #include "allocator/errors.h"
+#include "offload/backward_jumps.h"
 #include "offload/copy_engine.h"
 #include "offload/entry_table.h"
 #include "offload/offload_stats.h"
@@ -350,6 +351,9 @@ class OffloadEngine {
   // Declared before the table, so that it goes after it: entries' host buffers and events are its.
   CopyEngine copies_;
   EntryTable table_;
+  // Where backward went on after a run of reads in the last cycle (GPipe's next microbatch): the
+  // prefetch's walk goes on there when it runs out.
+  BackwardJumps jumps_;
   std::vector<DeviceState> devices_;
   // Per allocator that found them, the number (StreamError::seq) of the last copy-stream failure
   // acted on: one can be told more than once, and acting twice would fail later, healthy copies.

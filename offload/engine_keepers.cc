@@ -25,6 +25,7 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   const SaveSettings save =
       settings.value_or(SaveSettings{config_.policy == OffloadPolicy::kOff, config_.min_bytes});
   const bool in_backward = phase == SavePhase::kBackward;
+  const uint64_t seq_before = table_.next_seq();
   Entry* const entry = EntryForSave(key, make_storage, producer, save, in_backward);
   if (entry == nullptr) return std::nullopt;
   Entry& e = *entry;
@@ -56,6 +57,7 @@ std::optional<KeeperId> OffloadEngine::AddKeeper(const void* key,
   // first); older keepers keep their seqs, so each backward prefetches from its own save. (A
   // backward's save of a forward's storage is no forward's: the entry keeps its place.)
   if (!in_backward && e.seq != table_.next_seq() - 1) table_.Resequence(e);
+  if (table_.next_seq() != seq_before) jumps_.OnSave(e.seq, e.nbytes, !in_backward);
   // A spill waits for the stream of the latest save: the program wrote the storage there last
   // (the stream of an earlier save, whose graph may be gone, knows nothing of that write), and a
   // race-free program ordered that stream after every earlier write.

@@ -29,9 +29,22 @@ void OffloadEngine::Prefetch(EngineLock& lock, int device, uint64_t before_seq,
   // most reads find nothing to prefetch.
   std::optional<PrefetchPlan> plan;
   uint64_t cursor = before_seq;  // newest first, from just below `before_seq`
+  bool jumped = false;
   while (PrefetchPlan::Continues(window, prefetched)) {
     Entry* const candidate = table_.OffloadedBefore(&cursor);
-    if (candidate == nullptr) break;
+    if (candidate == nullptr) {
+      // Run out: where backward went on after this run of reads in the last cycle, once, if the
+      // save there is of the size learned (the same step's shape).
+      if (jumped) break;
+      jumped = true;
+      const std::optional<BackwardJumps::Jump> jump = jumps_.After(before_seq);
+      if (!jump.has_value()) break;
+      const auto& by_seq = table_.InSaveOrder();
+      const auto at = by_seq.find(jump->seq);
+      if (at == by_seq.end() || at->second->nbytes != jump->bytes) break;
+      cursor = jump->seq + 1;  // from that save itself
+      continue;
+    }
     Entry& e = *candidate;
     // Saves on other devices (a process driving several GPUs): `consumer` is no stream of theirs.
     if (e.device != device) continue;

@@ -3,6 +3,8 @@ errors, exceptions, threads, and what is kept as it is."""
 
 import contextlib
 import gc
+import os
+import sys
 import threading
 import weakref
 
@@ -12,6 +14,9 @@ import torch.utils.checkpoint as cp
 
 import spillway
 from conftest import assert_bitwise_equal, grads_of, stat
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+import pipeline_schedules  # noqa: E402
 
 
 def mlp(width=96, depth=4):
@@ -131,13 +136,20 @@ def test_backward_of_one_graph_leaves_a_newer_graph_spilled():
     """Two graphs saved one after the other, then backward of the older one (two losses,
     contrastive views, 1F1B pipelines): it must not bring back the newer graph's saves, which
     stayed on the device until their own backward (the first unpack prefetched from the newest
-    save of all)."""
+    save of all). A step before it of one graph, with offload: prefetch goes on where backward
+    went on in the step before (a pipeline's next microbatch, as the GPipe test below), and that
+    step must not be one of two graphs of these shapes (an earlier test's)."""
     model = mlp(width=256)
     x0, x1 = torch.randn(64, 256), torch.randn(64, 256)
     model.zero_grad(set_to_none=True)
     model(x0).square().sum().backward()
     model(x1).square().sum().backward()
     reference = grads_of(model)
+    with spillway.offload("eager", min_bytes=0):
+        loss = model(x0).square().sum()
+    loss.backward()
+    del loss
+    gc.collect()
     model.zero_grad(set_to_none=True)
     with spillway.offload("eager", min_bytes=0):
         loss0 = model(x0).square().sum()
@@ -150,6 +162,71 @@ def test_backward_of_one_graph_leaves_a_newer_graph_spilled():
     assert stat("spillway.spilled_bytes.current") == both // 2  # the same shapes in each graph
     loss1.backward()
     assert_bitwise_equal(grads_of(model), reference)
+
+
+def train_in_microbatches(model, xs, schedule, offload, on_read=None):
+    """One step of `schedule` (bench/pipeline_schedules.py) over the microbatches `xs`, each
+    forward in its own block; `on_read(i)` after microbatch i's backward. Returns the grads and the
+    most bytes spilled at once after a forward."""
+    model.zero_grad(set_to_none=True)
+    losses, most_spilled = {}, 0
+    for op, i in schedule(len(xs)):
+        if op == "F":
+            with spillway.offload("eager", min_bytes=0) if offload else contextlib.nullcontext():
+                losses[i] = model(xs[i]).square().mean()
+            spillway.synchronize()
+            most_spilled = max(most_spilled, stat("spillway.spilled_bytes.current"))
+        else:
+            losses.pop(i).backward()
+            if on_read:
+                on_read(i)
+    return grads_of(model), most_spilled
+
+
+def microbatches(n=4, width=256):
+    return [torch.randn(64, width, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+
+
+@pytest.mark.parametrize("schedule", [pipeline_schedules.gpipe, pipeline_schedules.one_f_one_b])
+def test_pipeline_schedules_train_bitwise_equal(schedule):
+    """Pipeline-parallel schedules on one stage: several microbatches' graphs alive at once, each
+    forward in its own block, backwards oldest first (the opposite of the save order that prefetch
+    walks), forwards between backwards (1F1B: a save after a read begins another forward for the
+    engine). Gradients, accumulated over the microbatches, are bitwise those of the same schedule
+    without offload; every spill comes back or goes with its graph."""
+    model, xs = mlp(width=256), microbatches()
+    reference, _ = train_in_microbatches(model, xs, schedule, offload=False)
+    entries, to_host, to_device = (stat("spillway.num_entries"), stat("spillway.bytes_to_host"),
+                                   stat("spillway.bytes_to_device"))
+    got, most_spilled = train_in_microbatches(model, xs, schedule, offload=True)
+    spillway.synchronize()
+    assert_bitwise_equal(got, reference)
+    assert most_spilled > 0
+    assert stat("spillway.num_entries") == entries
+    assert stat("spillway.spilled_bytes.current") == 0
+    # Every spilled byte read back by its backward: each graph reads all it saved.
+    assert stat("spillway.bytes_to_device") - to_device == stat("spillway.bytes_to_host") - to_host
+
+
+def test_gpipe_prefetches_the_next_microbatch_from_the_second_step_on():
+    """GPipe reads its microbatches' graphs oldest first, each newest save first: prefetch's walk
+    down from a read runs out at the end of each microbatch's backward. From the second step on it
+    goes on where the next microbatch's backward began in the step before, so that the first
+    microbatch's backward has also brought back the second's first save (one reload more during
+    it, counted when issued: no timing)."""
+    model, xs = mlp(width=256), microbatches(2)
+    reloads_in_first = []
+    for _ in range(3):
+        gc.collect()  # nothing of an earlier test's graphs left: each step empties the engine
+        start = stat("spillway.num_reloads")
+
+        def on_read(i, start=start):
+            if i == 0:
+                reloads_in_first.append(stat("spillway.num_reloads") - start)
+
+        train_in_microbatches(model, xs, pipeline_schedules.gpipe, offload=True, on_read=on_read)
+    first, second, third = reloads_in_first
+    assert second == first + 1 and third == second, reloads_in_first
 
 
 def test_in_place_change_of_a_saved_tensor_still_raises():

@@ -1,6 +1,13 @@
-"""bench/compare_native.py: the table gpu_check.sh prints for native vs Spillway."""
+"""bench/compare_native.py: the table gpu_check.sh prints for native vs Spillway; and
+bench/pipeline_schedules.py runs."""
+
+import os
 
 import compare_native
+from conftest import run_script
+
+PIPELINE_SCHEDULES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
+                                  "pipeline_schedules.py")
 
 
 def bench(name, cpu_time, **counters):
@@ -70,3 +77,19 @@ def test_a_median_stands_for_the_runs_it_sums_up():
     ]}
     lines = compare_native.table(data).splitlines()
     assert lines[2] == "| CachedMallocFree 4KiB | 200 | 100 | 0.50 |  |  |"
+
+
+def test_pipeline_schedules_runs_every_schedule_bitwise():
+    """bench/pipeline_schedules.py (docs/benchmarks.md), small, in a process of its own (it installs
+    the simulated device): it exits non-zero when a row with offload differs from the same schedule
+    without it."""
+    out = run_script(f"""
+        import runpy, sys
+        sys.argv = ["pipeline_schedules.py", "--steps", "2", "--microbatches", "2"]
+        runpy.run_path({PIPELINE_SCHEDULES!r}, run_name="__main__")
+    """)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + 6, out.stdout  # the header, then two rows per schedule
+    assert all(row.rstrip().endswith("| yes |") for row in rows[1:]), out.stdout
+    assert sum("Spillway eager" in row for row in rows) == 3, out.stdout

@@ -1,0 +1,115 @@
+// BackwardJumps on its own: where the prefetch's walk goes on when it runs out, learned from the
+// cycle before (offload/backward_jumps.h).
+#include "offload/backward_jumps.h"
+
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+
+namespace spillway {
+namespace {
+
+constexpr size_t kBytes = 1024;
+
+// Saves at `first`, `first + 1`, ... (`count` of them) of kBytes each, made by a forward.
+void SaveRange(BackwardJumps& jumps, uint64_t first, uint64_t count) {
+  for (uint64_t seq = first; seq < first + count; ++seq) jumps.OnSave(seq, kBytes, true);
+}
+
+void Read(BackwardJumps& jumps, std::initializer_list<uint64_t> seqs) {
+  for (const uint64_t seq : seqs) jumps.OnRead(seq);
+}
+
+// Two graphs of three saves each (GPipe), saves `base`..`base + 5`, read oldest graph first, each
+// graph's saves newest first; then the engine empties.
+void GPipeCycle(BackwardJumps& jumps, uint64_t base) {
+  SaveRange(jumps, base, 6);
+  Read(jumps, {base + 2, base + 1, base, base + 5, base + 4, base + 3});
+  jumps.OnEmpty();
+}
+
+TEST(BackwardJumpsTest, TheNextCycleJumpsFromTheOlderGraphToTheNewerGraphsFirstRead) {
+  BackwardJumps jumps;
+  GPipeCycle(jumps, 10);
+  SaveRange(jumps, 100, 6);  // the next step: the same saves at other seqs
+  for (const uint64_t read : {100, 101, 102}) {
+    const std::optional<BackwardJumps::Jump> jump = jumps.After(read);
+    ASSERT_TRUE(jump.has_value()) << read;
+    EXPECT_EQ(jump->seq, 105u);
+    EXPECT_EQ(jump->bytes, kBytes);
+  }
+  for (const uint64_t read : {103, 104, 105}) EXPECT_FALSE(jumps.After(read)) << "the last graph";
+}
+
+TEST(BackwardJumpsTest, NothingIsLearnedBeforeACycleEnded) {
+  BackwardJumps jumps;
+  SaveRange(jumps, 10, 6);
+  Read(jumps, {12, 11, 10, 15, 14, 13});
+  EXPECT_FALSE(jumps.After(10));
+}
+
+TEST(BackwardJumpsTest, OneGraphsReadsBackAndForthAreOneRun) {
+  // Within a graph's backward a layer reads its saves in its own order, all older than the
+  // graph's first read: no jump, even from a read followed by a newer one.
+  BackwardJumps jumps;
+  SaveRange(jumps, 0, 6);
+  Read(jumps, {5, 3, 4, 1, 2, 0});
+  jumps.OnEmpty();
+  SaveRange(jumps, 6, 6);
+  for (uint64_t read = 6; read < 12; ++read) EXPECT_FALSE(jumps.After(read)) << read;
+}
+
+TEST(BackwardJumpsTest, NoJumpAcrossAForwardsSave) {
+  // 1F1B: a forward runs between two microbatches' backwards; a prefetch of the next backward's
+  // first save would sit on the device through it. A backward's own save (a recomputation) is
+  // no forward.
+  for (const bool forward : {true, false}) {
+    BackwardJumps jumps;
+    SaveRange(jumps, 0, 6);
+    Read(jumps, {2, 1, 0});
+    jumps.OnSave(6, kBytes, forward);
+    Read(jumps, {5, 4, 3, 6});
+    jumps.OnEmpty();
+    SaveRange(jumps, 7, 7);
+    EXPECT_EQ(jumps.After(7).has_value(), !forward) << forward;
+  }
+}
+
+TEST(BackwardJumpsTest, TheLatestCycleIsTheOneLearned) {
+  BackwardJumps jumps;
+  GPipeCycle(jumps, 0);
+  SaveRange(jumps, 6, 6);
+  Read(jumps, {11, 10, 9, 8, 7, 6});  // this step read newest graph first: one run
+  jumps.OnEmpty();
+  SaveRange(jumps, 12, 6);
+  EXPECT_FALSE(jumps.After(12));
+}
+
+TEST(BackwardJumpsTest, TheBytesLearnedAreTheSavesAtTheTarget) {
+  BackwardJumps jumps;
+  jumps.OnSave(0, 1, true);
+  jumps.OnSave(1, 2, true);
+  Read(jumps, {0, 1});
+  jumps.OnEmpty();
+  jumps.OnSave(2, 1, true);
+  const std::optional<BackwardJumps::Jump> jump = jumps.After(2);
+  ASSERT_TRUE(jump.has_value());
+  EXPECT_EQ(jump->seq, 3u);
+  EXPECT_EQ(jump->bytes, 2u);
+}
+
+TEST(BackwardJumpsTest, ReadsOutsideTheCycleAreNoRun) {
+  BackwardJumps jumps;
+  jumps.OnRead(5);  // no cycle yet
+  SaveRange(jumps, 10, 3);
+  Read(jumps, {9, 2, 12, 11, 10, 500});  // before the cycle's first save, and never saved
+  jumps.OnEmpty();
+  SaveRange(jumps, 20, 3);
+  for (const uint64_t read : {19, 20, 21, 22, 520}) EXPECT_FALSE(jumps.After(read)) << read;
+}
+
+}  // namespace
+}  // namespace spillway
