@@ -1,9 +1,10 @@
 """Pipeline-parallel schedules on one stage: the model of bench/tiny_lm.py trained in microbatches,
 several microbatches' graphs alive at once, with and without Spillway's `eager` offload. Prefetch
 walks saves newest first, the order of one graph's backward; a pipeline runs its microbatches'
-backwards oldest first (GPipe, 1F1B), so each microbatch's backward starts where prefetch has
-brought nothing back. The reversed GPipe schedule (backwards newest first) is the control: the same
-graphs, in the order prefetch walks.
+backwards oldest first (GPipe, 1F1B), so that walk runs out at the end of each microbatch's
+backward. From the second step on prefetch goes on where backward went next in the step before,
+unless a forward came between (1F1B's steady state). The reversed GPipe schedule (backwards newest
+first) is the control: the same graphs, in the order prefetch walks.
 
     python3 bench/pipeline_schedules.py [--link-mb-per-s N] [--microbatches N] [--steps N]
 
@@ -42,7 +43,8 @@ def gpipe_reversed(n):
 
 
 def one_f_one_b(n, warmup=2):
-    """`warmup` forwards, then a backward and a forward in turn, then the last backwards."""
+    """`warmup` forwards, then one forward and one backward in turn, then the last backwards:
+    F0 F1 F2 B0 F3 B1 B2 B3 for 4 microbatches."""
     order = [("F", i) for i in range(warmup)]
     for i in range(n):
         if warmup + i < n:

@@ -5,7 +5,8 @@
 namespace spillway {
 namespace {
 // A cycle that never ends (a graph kept alive for good keeps the engine from emptying) stops
-// learning here rather than grow without bound: 12 bytes a save, 12 MiB at most.
+// learning here rather than grow without bound: 12 bytes a save and 8 a run, in the cycle learned
+// and the current one, about 40 MiB at most.
 constexpr size_t kMaxPositions = size_t{1} << 20;
 }  // namespace
 
@@ -35,9 +36,12 @@ std::optional<size_t> BackwardJumps::Position(uint64_t seq) const {
 void BackwardJumps::OnRead(uint64_t seq) {
   const std::optional<size_t> pos = Position(seq);
   if (!pos.has_value() || *pos >= current_.run_of.size()) return;
-  // A read of a save newer than every one read before begins another run (the next graph's
-  // backward; within one graph's, reads go back and forth between a layer's saves, all older than
-  // its first read); the run before learns where it began, unless a forward saved in between.
+  // A read of a save newer than every one read before begins another run: the next graph's
+  // backward. Within one graph's, reads go back and forth between a layer's saves, older than
+  // the newest read so far: one run. (A graph's first reads may climb a save or two, a loss
+  // reading its saves in save order: each is a run of its own, whose jump is to the read after
+  // it, where backward does go.) The run before learns where this one began, unless a forward
+  // saved in between.
   if (!newest_read_.has_value() || *pos > *newest_read_) {
     if (!current_.next_run_start.empty()) {
       current_.next_run_start.back() = saved_since_read_ ? kNoRun : static_cast<int64_t>(*pos);
@@ -54,7 +58,9 @@ void BackwardJumps::OnRead(uint64_t seq) {
 
 void BackwardJumps::OnEmpty() {
   if (!in_cycle_) return;
-  learned_ = std::move(current_);
+  // A cycle that read nothing (an evaluation's forward with grad on, a graph dropped unread) says
+  // nothing of the next training step's backward: what the last one learned stays.
+  if (!current_.next_run_start.empty()) learned_ = std::move(current_);
   current_ = Cycle{};
   in_cycle_ = false;
 }

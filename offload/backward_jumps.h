@@ -12,6 +12,10 @@
 // brought back ahead of it would raise that forward's peak), and none to a save whose size is not
 // the one learned there (another cycle's shape: an evaluation, another batch size).
 //
+// A cycle that read nothing (an evaluation's forward with grad on) keeps what the one before
+// learned; a cycle never ends while an entry outlives its step (a graph kept), and then nothing
+// new is learned.
+//
 // Positions are seqs counted from the cycle's first save (the engine's seqs are never reused, and a
 // training step makes its saves, and the engine its seqs, in the same order each time). A wrong
 // guess costs a prefetch, within the same limits as any other (PrefetchPlan), never a result.

@@ -34,14 +34,13 @@ void OffloadEngine::Prefetch(EngineLock& lock, int device, uint64_t before_seq,
     Entry* const candidate = table_.OffloadedBefore(&cursor);
     if (candidate == nullptr) {
       // Run out: where backward went on after this run of reads in the last cycle, once, if the
-      // save there is of the size learned (the same step's shape).
+      // save there is this device's and of the size learned (the same step's shape).
       if (jumped) break;
       jumped = true;
       const std::optional<BackwardJumps::Jump> jump = jumps_.After(before_seq);
       if (!jump.has_value()) break;
-      const auto& by_seq = table_.InSaveOrder();
-      const auto at = by_seq.find(jump->seq);
-      if (at == by_seq.end() || at->second->nbytes != jump->bytes) break;
+      const Entry* const target = table_.SavedAt(jump->seq);
+      if (target == nullptr || target->device != device || target->nbytes != jump->bytes) break;
       cursor = jump->seq + 1;  // from that save itself
       continue;
     }

@@ -156,6 +156,12 @@ Entry* EntryTable::OffloadedBefore(uint64_t* cursor) const {
   return it->second;
 }
 
+Entry* EntryTable::SavedAt(uint64_t seq) const {
+  if (const auto it = by_seq_.find(seq); it != by_seq_.end()) return it->second;
+  const auto listed = offloaded_.find(seq);
+  return listed == offloaded_.end() ? nullptr : listed->second;
+}
+
 void EntryTable::SetWindowLimit(size_t bytes) {
   window_limit_ = bytes;
   for (Window& w : windows_) {

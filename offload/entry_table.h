@@ -179,6 +179,9 @@ class EntryTable {
   void ListOffloaded(Entry& e);
   // The newest listing older than `*cursor`, its seq put in `*cursor`; null when none is left.
   Entry* OffloadedBefore(uint64_t* cursor) const;
+  // The entry saved at `seq`: the one whose latest save it is, or one offloaded and listed there (a
+  // storage saved again since keeps its older saves' listings); null when neither.
+  Entry* SavedAt(uint64_t seq) const;
   void UnlistOffloaded(uint64_t seq) { offloaded_.erase(seq); }
 
   // Calls `visit(entry)` for the spill candidates older than `before_seq`, oldest first, dropping

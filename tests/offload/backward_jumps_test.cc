@@ -62,6 +62,30 @@ TEST(BackwardJumpsTest, OneGraphsReadsBackAndForthAreOneRun) {
   for (uint64_t read = 6; read < 12; ++read) EXPECT_FALSE(jumps.After(read)) << read;
 }
 
+TEST(BackwardJumpsTest, AGraphsFirstReadsClimbingASaveOrTwoJumpToTheReadAfter) {
+  // A loss reads its saves in save order (cross_entropy's input, target, then its own output):
+  // each of those reads is a run of its own, whose jump is to the read that came after it.
+  // The graph's bulk run still jumps to the next graph.
+  BackwardJumps jumps;
+  SaveRange(jumps, 0, 8);  // 0..3: the first graph (2, 3: its loss's), 4..7: the second
+  Read(jumps, {2, 3, 1, 0, 6, 7, 5, 4});
+  jumps.OnEmpty();
+  SaveRange(jumps, 8, 8);
+  EXPECT_EQ(jumps.After(10).value().seq, 11u);
+  for (const uint64_t read : {8, 9, 11}) EXPECT_EQ(jumps.After(read).value().seq, 14u) << read;
+  EXPECT_EQ(jumps.After(14).value().seq, 15u);
+  for (const uint64_t read : {12, 13, 15}) EXPECT_FALSE(jumps.After(read)) << read;
+}
+
+TEST(BackwardJumpsTest, ACycleThatReadNothingKeepsWhatWasLearned) {
+  BackwardJumps jumps;
+  GPipeCycle(jumps, 0);
+  SaveRange(jumps, 6, 6);  // an evaluation's forward with grad on: saves, never read
+  jumps.OnEmpty();
+  SaveRange(jumps, 12, 6);
+  EXPECT_EQ(jumps.After(12).value().seq, 17u);
+}
+
 TEST(BackwardJumpsTest, NoJumpAcrossAForwardsSave) {
   // 1F1B: a forward runs between two microbatches' backwards; a prefetch of the next backward's
   // first save would sit on the device through it. A backward's own save (a recomputation) is

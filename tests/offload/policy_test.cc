@@ -398,5 +398,25 @@ TEST_F(EntryTableTest, OffloadedListingsGoWithTheirSavesKeepers) {
   EXPECT_EQ(table_.RemoveKeeper(second), &e);
 }
 
+// The save a prefetch jumps to (BackwardJumps) is found by its save's seq: an entry's latest save,
+// or an older save of a storage saved again, while that save's listing is offloaded.
+TEST_F(EntryTableTest, SavedAtFindsTheEntryOfASave) {
+  Entry& e = Add(1);
+  const KeeperId first = table_.AddKeeper(e, ViewInfo{});
+  const uint64_t first_save = e.seq;
+  Entry& other = Add(1);
+  EXPECT_EQ(table_.SavedAt(first_save), &e);
+  EXPECT_EQ(table_.SavedAt(other.seq), &other);
+  table_.Resequence(e);  // saved again, by another graph
+  const KeeperId second = table_.AddKeeper(e, ViewInfo{});
+  EXPECT_EQ(table_.SavedAt(e.seq), &e);
+  EXPECT_EQ(table_.SavedAt(first_save), nullptr) << "not offloaded: not listed there";
+  table_.ListOffloaded(e);
+  EXPECT_EQ(table_.SavedAt(first_save), &e);
+  EXPECT_EQ(table_.SavedAt(table_.next_seq()), nullptr);
+  table_.RemoveKeeper(first);
+  table_.RemoveKeeper(second);
+}
+
 }  // namespace
 }  // namespace spillway
