@@ -1,7 +1,8 @@
-"""Spillway under torch.distributed, in processes of their own: DDP, FSDP and FSDP2 across two
-ranks on this machine (gloo, loopback only), and 1-GPU NCCL smoke tests (DDP and FSDP) for
-machines that have one. FSDP's free/refill of gathered parameters, done by hand in this process,
-is in test_distributed_free_refill.py; wrapper subclasses (DTensor) saved for backward are in
+"""Spillway under torch.distributed, in processes of their own: DDP, FSDP, FSDP2 and pipeline
+parallelism (torch.distributed.pipelining, GPipe and 1F1B) across two ranks on this machine (gloo,
+loopback only), and 1-GPU NCCL smoke tests (DDP and FSDP) for machines that have one. FSDP's
+free/refill of gathered parameters, done by hand in this process, is in
+test_distributed_free_refill.py; wrapper subclasses (DTensor) saved for backward are in
 test_distributed_wrappers.py.
 
 Ranks run as subprocesses of the test (Spillway allows one install per process, and each rank is
@@ -177,10 +178,11 @@ print("rank", rank, "done")
 """
 
 
-def launch(tmp_path, mode, world=WORLD):
-    """Runs RANK_SCRIPT as `world` processes; returns their results, rank by rank."""
+def launch(tmp_path, mode, world=WORLD, source=None):
+    """Runs `source` (default: RANK_SCRIPT) as `world` processes; returns their results, rank by
+    rank."""
     script = tmp_path / f"{mode}_rank.py"
-    script.write_text(RANK_SCRIPT.format(extra=EXTRA, prefetch=PREFETCH))
+    script.write_text(source or RANK_SCRIPT.format(extra=EXTRA, prefetch=PREFETCH))
     init = f"file://{tmp_path / (mode + '_store')}"
     env = dict(os.environ)
     for var in ("SPILLWAY_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
@@ -270,6 +272,114 @@ def test_fsdp2_training_with_offload_matches_plain_and_never_spills_parameters(t
     # Sharded: each rank holds its own half of every parameter.
     halves = zip(ranks[0]["offload"]["params"], ranks[1]["offload"]["params"])
     assert not all(torch.equal(a, b) for a, b in halves)
+
+
+# --------------------------------------------------------------------------------------------
+# Pipeline parallelism: torch.distributed.pipelining, one stage per rank, activations sent over
+# gloo, several microbatches' graphs alive on each stage.
+
+PIPELINE_SCRIPT = """
+import datetime
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import spillway
+import tiny_lm
+
+mode, init, out = sys.argv[1], sys.argv[4], sys.argv[5]
+rank, world = int(sys.argv[2]), int(sys.argv[3])
+torch.use_deterministic_algorithms(True)
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=60))
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
+
+CONFIG = dict(vocab=128, d_model=64, nhead=4, layers=4, ff=128, seq=64)
+STEPS, BATCH, MICROBATCHES = 3, 16, 4
+
+
+# Half of TinyLM: rank 0 the embedding and the first half of the blocks, rank 1 the rest and
+# the head.
+class Stage(torch.nn.Module):
+
+    def __init__(self, lm, first):
+        super().__init__()
+        half = len(lm.blocks) // 2
+        self.first = first
+        self.blocks = lm.blocks[:half] if first else lm.blocks[half:]
+        self.embed, self.pos = (lm.embed, lm.pos) if first else (None, None)
+        self.head = None if first else lm.head
+        self.register_buffer("mask", lm.mask)
+
+    def forward(self, x):
+        n = x.shape[1]
+        h = self.embed(x) + self.pos[:n] if self.first else x
+        for block in self.blocks:
+            h = block(h, src_mask=self.mask[:n, :n])
+        return h if self.first else self.head(h)
+
+
+def loss_fn(logits, target):
+    return F.cross_entropy(logits.reshape(-1, CONFIG["vocab"]), target.reshape(-1))
+
+
+def train(offload):
+    torch.manual_seed(0)
+    stage_module = Stage(tiny_lm.TinyLM(**CONFIG), first=rank == 0)
+    stage = PipelineStage(stage_module, rank, world, torch.device("cpu"))
+    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[mode](
+        stage, n_microbatches=MICROBATCHES, loss_fn=loss_fn)
+    optimizer = torch.optim.Adam(stage_module.parameters(), lr=1e-3)
+    data = tiny_lm.batches(STEPS, BATCH, CONFIG["seq"], CONFIG["vocab"], seed=7)
+    before = spillway.memory_stats()
+    losses = []
+    for tokens in data:
+        optimizer.zero_grad(set_to_none=True)
+        out = []
+        with spillway.offload("eager", min_bytes=0) if offload else torch.enable_grad():
+            if rank == 0:
+                schedule.step(tokens[:, :-1])
+            else:
+                schedule.step(target=tokens[:, 1:], losses=out)
+        optimizer.step()
+        losses.append([loss.item() for loss in out])
+    spillway.synchronize()
+    after = spillway.memory_stats()
+    return {
+        "losses": losses,
+        "params": [p.detach().clone() for p in stage_module.parameters()],
+        "to_host": after["spillway.bytes_to_host"] - before["spillway.bytes_to_host"],
+        "entries": after["spillway.num_entries"],
+    }
+
+
+spillway.install("sim", capacity_bytes=256 << 20)
+result = {"rank": rank, "plain": train(offload=False), "offload": train(offload=True)}
+dist.barrier()
+dist.destroy_process_group()
+torch.save(result, out)
+print("rank", rank, "done")
+"""
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_parallel_training_with_offload_matches_plain(tmp_path, schedule):
+    """torch.distributed.pipelining's ScheduleGPipe and Schedule1F1B over two ranks (TinyLM split
+    in two stages, 4 microbatches a step, 3 steps), each step in an `eager` block: the last
+    stage's losses and both stages' parameters bitwise those of the same run without offload,
+    activations spilled on both stages, and nothing left registered after the last step."""
+    pytest.importorskip("torch.distributed.pipelining")
+    ranks = launch(tmp_path, schedule, source=PIPELINE_SCRIPT)
+    for rank, r in enumerate(ranks):
+        plain, off = r["plain"], r["offload"]
+        assert r["rank"] == rank
+        assert off["losses"] == plain["losses"], (rank, off["losses"], plain["losses"])
+        assert_bitwise_equal(off["params"], plain["params"])
+        assert off["to_host"] > 0 and plain["to_host"] == 0, (rank, off["to_host"])
+        assert off["entries"] == 0, (rank, off["entries"])
+    assert all(len(step) == 4 for step in ranks[1]["plain"]["losses"])  # the last stage's
 
 
 # --------------------------------------------------------------------------------------------
