@@ -7,10 +7,10 @@
 // and the next graph's first reads wait for the link. This remembers, per run of reads (from a
 // read of a save newer than all read before it, to the next such read: one graph's backward), the
 // save the next run began at, and hands that to the walk when it runs out in the same run of the
-// next cycle. No jump where a forward's save came between
-// the two runs (1F1B: a forward comes between two microbatches' backwards, and what a prefetch
-// brought back ahead of it would raise that forward's peak), and none to a save whose size is not
-// the one learned there (another cycle's shape: an evaluation, another batch size).
+// next cycle. No jump where a forward's save came between the two runs (1F1B: a forward comes
+// between two microbatches' backwards, and what a prefetch brought back ahead of it would raise
+// that forward's peak), and none to a save whose size is not the one learned there (another
+// cycle's shape: an evaluation, another batch size: the engine checks).
 //
 // A cycle that read nothing (an evaluation's forward with grad on) keeps what the one before
 // learned; a cycle never ends while an entry outlives its step (a graph kept), and then nothing
