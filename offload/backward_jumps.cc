@@ -42,7 +42,8 @@ void BackwardJumps::OnRead(uint64_t seq) {
   // reading its saves in save order: each is a run of its own, whose jump is to the read after
   // it, where backward does go.) The run before learns where this one began, unless a forward
   // saved in between.
-  if (!newest_read_.has_value() || *pos > *newest_read_) {
+  const bool newest = !newest_read_.has_value() || *pos > *newest_read_;
+  if (newest) {
     if (!current_.next_run_start.empty()) {
       current_.next_run_start.back() = saved_since_read_ ? kNoRun : static_cast<int64_t>(*pos);
     }
@@ -52,7 +53,7 @@ void BackwardJumps::OnRead(uint64_t seq) {
   if (current_.run_of[*pos] == kNoRun) {
     current_.run_of[*pos] = static_cast<int32_t>(current_.next_run_start.size() - 1);
   }
-  if (!newest_read_.has_value() || *pos > *newest_read_) newest_read_ = *pos;
+  if (newest) newest_read_ = *pos;
   saved_since_read_ = false;
 }
 

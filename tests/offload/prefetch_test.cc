@@ -323,52 +323,6 @@ TEST_F(OffloadPrefetchTest, OffloadPrefetchLeavesANewerGraphSpilled) {
   for (size_t i = 3; i < 6; ++i) EXPECT_EQ(StateOf(saved[i]), Residency::kSpilled) << i;
 }
 
-// GPipe (torch's ScheduleGPipe): two graphs saved one after the other, each read newest save
-// first, the older graph first, in step after step. The walk from the older graph's last reads
-// runs out; from the second step on it goes on at the newer graph's first read of the step
-// before (BackwardJumps), so that read finds its save reloading or back rather than waiting for
-// the whole copy. Not where the newer graph's first save is not of the size learned there (another
-// shape of step): that guess is not made. Returns, per step, whether the newer graph's first save
-// was still on the host once the older graph's backward had read its last save.
-class OffloadPrefetchJumpTest : public OffloadPrefetchTest {
- protected:
-  std::vector<bool> NewerGraphLeftSpilled(const std::vector<size_t>& newest_sizes) {
-    Make(Policy(OffloadPolicy::kEager), 256 * kMiB, std::chrono::microseconds{0});
-    std::vector<bool> left;
-    for (const size_t newest : newest_sizes) {
-      std::vector<std::shared_ptr<TestStorage>> saved;
-      std::vector<KeeperId> ids;
-      for (uint32_t i = 0; i < 6; ++i) {  // 0..2: the older graph, 3..5: the newer
-        saved.push_back(NewStorage(i == 5 ? newest : 2 * kMiB, i));
-        ids.push_back(Save(saved.back()));
-        saved.back()->holders = 0;
-      }
-      engine_->ForwardEnd();
-      engine_->Synchronize();
-      for (const size_t i : {2, 1, 0, 5, 4, 3}) {
-        const auto seed = static_cast<uint32_t>(i);
-        EXPECT_EQ(AcquireAndRead(ids[i], saved[i]->nbytes()), Pattern(saved[i]->nbytes(), seed));
-        if (i == 0) left.push_back(StateOf(saved[5]) == Residency::kSpilled);
-        engine_->RemoveKeeper(ids[i]);
-        saved[i]->drop_device_memory();  // backward is done with it
-      }
-      engine_->Synchronize();
-      EXPECT_EQ(EngineStat("num_entries"), 0);  // the step ended: the engine is empty
-    }
-    return left;
-  }
-};
-
-TEST_F(OffloadPrefetchJumpTest, OffloadAPipelinesNextGraphIsPrefetchedFromTheSecondStepOn) {
-  EXPECT_EQ(NewerGraphLeftSpilled({2 * kMiB, 2 * kMiB, 2 * kMiB}),
-            (std::vector<bool>{true, false, false}));
-}
-
-TEST_F(OffloadPrefetchJumpTest, OffloadNoJumpToASaveOfAnotherSize) {
-  EXPECT_EQ(NewerGraphLeftSpilled({2 * kMiB, 4 * kMiB, 4 * kMiB}),
-            (std::vector<bool>{true, true, false}));
-}
-
 // Regression: the prefetch inside Acquire ran out of memory, and the rescue spilled the very
 // entry being acquired (nothing else held it yet), handing the consumer a null pointer.
 TEST_F(OffloadPrefetchTest, OffloadPrefetchRescueNeverSpillsTheEntryBeingAcquired) {
