@@ -348,10 +348,15 @@ bool SimBackend::query_event(int device, EventHandle handle) {
   std::lock_guard<std::mutex> lock(mu_);
   const Event& event = FindEventLocked("query_event", device, handle);
   if (event.stream == nullptr) return true;
+  // Reached first, then the error: an event found complete must have reported the failure of any
+  // work before it. In the other order the worker could run a failing copy and the event's op
+  // between the two looks, and the event would be complete with the failure left on the stream,
+  // where a caller that saw the event complete never looks again.
+  const bool reached = event.stream->Reached(event.target);
   if (std::optional<std::string> error = event.stream->TakeError()) {
     throw BackendError("memcpy_async", *error, /*earlier_work=*/true);
   }
-  return event.stream->Reached(event.target);
+  return reached;
 }
 
 void SimBackend::synchronize_event(int device, EventHandle handle) {

@@ -164,6 +164,48 @@ TEST_F(SimCopyFailureTest, NonBlockingCallsReportItOnceTheCopyHasRun) {
   EXPECT_TRUE(event.query());
 }
 
+// An event found complete has reported every failure of the work before it, whenever the look
+// falls. query_event once took the stream's error and then, separately, asked whether the event
+// was reached: a worker that ran the failing copy and the event's own op between the two made
+// the event complete with its copy's failure left unreported, and the allocator that polled it
+// freed the block and never looked at the stream again (ci33, 2026-12-07: the observer heard
+// nothing for 20 s). Here looks race the worker as the gate opens, with no jitter: a look
+// waiting for the stream's lock between the two steps let the worker, which takes the lock back
+// at once after each op, run both ops first.
+TEST(SimBackendTest, AnEventFoundCompleteHasReportedTheFailureBeforeIt) {
+  SimBackend backend;
+  UniqueStream stream(backend, 0);
+  UniqueDeviceBuffer device = Unwrap(UniqueDeviceBuffer::Allocate(backend, 0, 4096));
+  std::vector<char> host(4096);
+  UniqueEvent event(backend, 0);
+  constexpr int kRounds = 2000;
+  int unreported = 0;
+  for (int round = 0; round < kRounds; ++round) {
+    auto hold = backend.hold_stream(0, stream.handle());
+    backend.fail_copy_after(1);
+    backend.memcpy_async(0, device.data(), host.data(), host.size(), CopyKind::kHostToDevice,
+                         stream.handle());
+    event.record(stream.handle());
+    std::thread opener([&] { hold->Open(); });
+    bool reported = false;
+    for (;;) {
+      try {
+        if (event.query()) break;
+      } catch (const BackendError& e) {
+        EXPECT_THAT(e.detail(), HasSubstr("injected copy failure"));
+        reported = true;
+      }
+    }
+    opener.join();
+    if (!reported) {
+      ++unreported;
+      // Left on the stream: take it, so that the next round starts clean.
+      EXPECT_THROW(backend.synchronize_stream(0, stream.handle()), BackendError);
+    }
+  }
+  EXPECT_EQ(unreported, 0) << "of " << kRounds << " events found complete";
+}
+
 TEST_F(SimCopyFailureTest, OtherStreamsAreUnaffectedAndMinusOneDisarms) {
   UniqueStream other(backend_, 0);
   backend_.fail_copy_after(1);
