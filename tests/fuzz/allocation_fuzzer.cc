@@ -15,8 +15,8 @@
 //    allocated blocks, and the allocated blocks are exactly the live allocations;
 //  - stream-ordered reuse: a block freed after a stream use on a stream that is held (so the
 //    use provably has not completed) is not handed out again until that stream is released.
-// A fresh device and allocator per input keeps inputs independent and reproducible; setting
-// them up costs two worker threads, well below the cost of the checks.
+// A fresh device and allocator per input (fuzz::FuzzDevice) keeps inputs independent and
+// reproducible.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <algorithm>
@@ -58,7 +58,7 @@ enum Op : uint8_t {
 struct Live {
   uint8_t* ptr;
   size_t requested;
-  int stream;       // index into Harness::streams_
+  int stream;       // index into FuzzDevice::streams
   uint64_t id;      // seeds the marks
   bool used_on[2];  // record_stream was called for that stream (never the own one)
 };
@@ -86,22 +86,6 @@ void ForEachMarkOffset(size_t n, F&& f) {
 
 class Harness {
  public:
-  Harness() {
-    SimBackend::Options options;
-    options.capacity_bytes = kCapacity;
-    backend_ = std::make_shared<fuzz::GatedBackend>(options);
-    allocator_ = std::make_unique<CachingAllocator>(backend_, AllocatorConfig{});
-    streams_[0] = backend_->default_stream(0);
-    streams_[1] = backend_->create_stream(0);
-  }
-  ~Harness() {
-    // The allocator waits for its pending stream uses and returns its segments; the kernels'
-    // host buffers must outlive the copies, hence the backend (which joins its workers) goes
-    // before them.
-    allocator_.reset();
-    backend_.reset();
-  }
-
   void Run(FuzzedDataProvider& in) {
     while (in.remaining_bytes() > 0) {
       Step(in);
@@ -109,13 +93,12 @@ class Harness {
     }
     // Everything freed and the cache emptied: the device must be back to nothing in use.
     while (!live_.empty()) FreeAt(live_.size() - 1);
-    backend_->ReleaseAll();
-    allocator_->EmptyCache();
-    for (const StreamRef& stream : streams_) backend_->synchronize_stream(0, stream.handle);
-    allocator_->ProcessEvents(0);
-    allocator_->EmptyCache();
+    device_.backend->ReleaseAll();
+    device_.allocator->EmptyCache();
+    device_.Settle();
+    device_.allocator->EmptyCache();
     Check();
-    FUZZ_CHECK(backend_->bytes_in_use(0) == 0);
+    FUZZ_CHECK(device_.backend->bytes_in_use(0) == 0);
   }
 
  private:
@@ -137,27 +120,27 @@ class Harness {
         if (!live_.empty()) KernelWrite(live_[Pick(in)]);
         break;
       case kHold:
-        backend_->Hold(streams_[in.ConsumeIntegralInRange<int>(0, 1)]);
+        device_.backend->Hold(device_.streams[in.ConsumeIntegralInRange<int>(0, 1)]);
         break;
       case kRelease:
-        backend_->ReleaseAll();
+        device_.backend->ReleaseAll();
         break;
       case kEmptyCache:
-        allocator_->EmptyCache();
+        device_.allocator->EmptyCache();
         break;
       case kSetFraction:
         // Eighths of the device (0: no new memory, 8: the whole device), so limits below what is
         // already reserved are common.
-        allocator_->SetMemoryFraction(in.ConsumeIntegralInRange<int>(0, 8) / 8.0, 0);
+        device_.allocator->SetMemoryFraction(in.ConsumeIntegralInRange<int>(0, 8) / 8.0, 0);
         break;
       case kProcessEvents:
-        allocator_->ProcessEvents(0);
+        device_.allocator->ProcessEvents(0);
         break;
       case kSetWatermark: {
         // Eighths of the device, or none: under a watermark a new segment past it waits for
         // pending stream uses first (the offload budget's rule), on the host here.
         const int eighths = in.ConsumeIntegralInRange<int>(0, 8);
-        allocator_->SetWatermark(0, eighths == 8 ? SIZE_MAX : eighths * (kCapacity / 8));
+        device_.allocator->SetWatermark(0, eighths == 8 ? SIZE_MAX : eighths * (kCapacity / 8));
         break;
       }
     }
@@ -185,14 +168,14 @@ class Harness {
         break;
     }
     if (live_.size() >= kMaxLive) return;
-    const int64_t before = allocator_->stats(0).allocation.all().current;
+    const int64_t before = device_.allocator->stats(0).allocation.all().current;
     void* p = nullptr;
     try {
-      p = allocator_->Malloc(size, 0, streams_[stream]);
+      p = device_.allocator->Malloc(size, 0, device_.streams[stream]);
     } catch (const OutOfMemoryError& e) {
       // Legitimate on a 64 MiB device; it must not have changed what is allocated.
       FUZZ_CHECK(e.requested_bytes() == size);
-      FUZZ_CHECK(allocator_->stats(0).allocation.all().current == before);
+      FUZZ_CHECK(device_.allocator->stats(0).allocation.all().current == before);
       return;
     }
     if (size == 0) {
@@ -203,7 +186,9 @@ class Harness {
     auto* ptr = static_cast<uint8_t*>(p);
     const auto begin = reinterpret_cast<uintptr_t>(ptr);
     for (const Quarantine& q : quarantine_) {
-      if (backend_->generation() != q.generation || !backend_->held(streams_[q.stream])) continue;
+      if (device_.backend->generation() != q.generation ||
+          !device_.backend->held(device_.streams[q.stream]))
+        continue;
       // The block's last use on a held stream cannot have completed: reusing it now is the
       // bug stream-ordered reuse exists to prevent.
       FUZZ_CHECK(begin + size <= q.begin || begin >= q.end);
@@ -215,20 +200,20 @@ class Harness {
 
   void FreeAt(size_t i) {
     const Live l = live_[i];
-    const auto info = allocator_->Lookup(l.ptr);
+    const auto info = device_.allocator->Lookup(l.ptr);
     FUZZ_CHECK(info.has_value());
-    const uint64_t generation = backend_->generation();
+    const uint64_t generation = device_.backend->generation();
     for (int s = 0; s < 2; ++s) {
-      if (l.used_on[s] && backend_->held(streams_[s])) {
+      if (l.used_on[s] && device_.backend->held(device_.streams[s])) {
         quarantine_.push_back(Quarantine{reinterpret_cast<uintptr_t>(l.ptr),
                                          reinterpret_cast<uintptr_t>(l.ptr) + info->size, s,
                                          generation});
       }
     }
     if (l.id % 2 == 0) {
-      allocator_->Free(l.ptr);
+      device_.allocator->Free(l.ptr);
     } else {
-      allocator_->Free(l.ptr, 0);
+      device_.allocator->Free(l.ptr, 0);
     }
     live_[i] = live_.back();
     live_.pop_back();
@@ -236,7 +221,8 @@ class Harness {
     if (freed_.size() > 64) freed_.pop_front();
     // Entries whose hold is gone can never apply again.
     std::erase_if(quarantine_, [&](const Quarantine& q) {
-      return q.generation != backend_->generation() || !backend_->held(streams_[q.stream]);
+      return q.generation != device_.backend->generation() ||
+             !device_.backend->held(device_.streams[q.stream]);
     });
   }
 
@@ -250,7 +236,7 @@ class Harness {
       }
     } else if (!live_.empty()) {
       const Live& l = live_[Pick(in)];
-      const auto info = allocator_->Lookup(l.ptr);
+      const auto info = device_.allocator->Lookup(l.ptr);
       FUZZ_CHECK(info.has_value());
       if (info->size < 2) return;
       bad = l.ptr + in.ConsumeIntegralInRange<size_t>(1, info->size - 1);
@@ -259,7 +245,7 @@ class Harness {
     }
     bool refused = false;
     try {
-      allocator_->Free(bad);
+      device_.allocator->Free(bad);
     } catch (const InvalidArgumentError& e) {
       refused = e.what()[0] != '\0';
     }
@@ -268,7 +254,7 @@ class Harness {
 
   void RecordStream(Live& l) {
     const int other = 1 - l.stream;
-    allocator_->RecordStream(l.ptr, streams_[other]);
+    device_.allocator->RecordStream(l.ptr, device_.streams[other]);
     l.used_on[other] = true;
   }
 
@@ -280,8 +266,8 @@ class Harness {
     auto& source = sources_.emplace_back();
     const size_t n = std::min(l.requested, kMark);
     for (size_t i = 0; i < n; ++i) source[i] = MarkByte(l.id, i);
-    backend_->memcpy_async(0, l.ptr, source.data(), n, CopyKind::kHostToDevice,
-                           streams_[1 - l.stream].handle);
+    device_.backend->memcpy_async(0, l.ptr, source.data(), n, CopyKind::kHostToDevice,
+                                  device_.streams[1 - l.stream].handle);
   }
 
   void Check() {
@@ -294,14 +280,14 @@ class Harness {
     std::sort(by_address.begin(), by_address.end(),
               [](const Live* a, const Live* b) { return a->ptr < b->ptr; });
     for (const Live* l : by_address) {
-      const auto info = allocator_->Lookup(l->ptr);
+      const auto info = device_.allocator->Lookup(l->ptr);
       FUZZ_CHECK(info.has_value());
       FUZZ_CHECK(info->ptr == l->ptr);
       FUZZ_CHECK(info->requested == l->requested);
       FUZZ_CHECK(info->size >= l->requested);
       FUZZ_CHECK(info->size % 512 == 0);
       FUZZ_CHECK(info->device == 0);
-      FUZZ_CHECK(info->stream.id == streams_[l->stream].id);
+      FUZZ_CHECK(info->stream.id == device_.streams[l->stream].id);
       const auto begin = reinterpret_cast<uintptr_t>(l->ptr);
       FUZZ_CHECK(begin >= previous_end);
       previous_end = begin + info->size;
@@ -311,11 +297,11 @@ class Harness {
       requested += static_cast<int64_t>(l->requested);
     }
 
-    const DeviceStats stats = allocator_->stats(0);
+    const DeviceStats stats = device_.allocator->stats(0);
     FUZZ_CHECK(stats.allocation.all().current == static_cast<int64_t>(live_.size()));
     FUZZ_CHECK(stats.allocated_bytes.all().current == allocated);
 
-    const Snapshot snapshot = allocator_->TakeSnapshot();
+    const Snapshot snapshot = device_.allocator->TakeSnapshot();
     int64_t reserved = 0;
     size_t allocated_blocks = 0;
     int64_t allocated_requested = 0;
@@ -333,7 +319,7 @@ class Harness {
           ++allocated_blocks;
           segment_allocated += block.size;
           allocated_requested += static_cast<int64_t>(block.requested_size);
-          const auto info = allocator_->Lookup(reinterpret_cast<void*>(block.address));
+          const auto info = device_.allocator->Lookup(reinterpret_cast<void*>(block.address));
           FUZZ_CHECK(info.has_value() && info->size == block.size);
           FUZZ_CHECK(info->requested == block.requested_size);
         }
@@ -353,17 +339,15 @@ class Harness {
     FUZZ_CHECK(stats.active_bytes.all().current == active);
     FUZZ_CHECK(stats.requested_bytes.all().current == active_requested);
     FUZZ_CHECK(stats.reserved_bytes.all().current == reserved);
-    FUZZ_CHECK(backend_->bytes_in_use(0) == static_cast<size_t>(reserved));
+    FUZZ_CHECK(device_.backend->bytes_in_use(0) == static_cast<size_t>(reserved));
     FUZZ_CHECK(static_cast<size_t>(reserved) <= kCapacity);
   }
 
-  std::shared_ptr<fuzz::GatedBackend> backend_;
-  std::unique_ptr<CachingAllocator> allocator_;
-  std::array<StreamRef, 2> streams_;
+  std::deque<std::array<uint8_t, kMark>> sources_;  // host side of queued kernel writes
+  fuzz::FuzzDevice device_{kCapacity};              // after sources_: goes before them
   std::vector<Live> live_;
   std::deque<void*> freed_;  // recent frees, for double-free attempts
   std::vector<Quarantine> quarantine_;
-  std::deque<std::array<uint8_t, kMark>> sources_;  // host side of queued kernel writes
   uint64_t next_id_ = 0;
 };
 

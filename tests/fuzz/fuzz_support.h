@@ -1,8 +1,11 @@
 // Pieces the allocator and engine fuzzers share: the check that turns a broken invariant into a
-// crash libFuzzer records, and a simulated device whose streams an input can hold busy.
+// crash libFuzzer records, a simulated device whose streams an input can hold busy, and the
+// allocator over it that each input starts afresh.
 #pragma once
 
+#include <array>
 #include <cstdarg>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -10,6 +13,7 @@
 #include <memory>
 #include <mutex>
 
+#include "allocator/caching_allocator.h"
 #include "allocator/sim_backend.h"
 
 namespace spillway::fuzz {
@@ -100,6 +104,43 @@ class GatedBackend : public SimBackend {
   mutable std::mutex mu_;
   std::map<uint64_t, std::unique_ptr<StreamHold>> holds_;  // by stream id
   uint64_t generation_ = 0;
+};
+
+// What each input runs on: a fresh GatedBackend of `capacity` bytes, a CachingAllocator over it
+// and two streams. Setting up costs two worker threads, well below the cost of the checks.
+// Destroyed allocator first: it waits for its pending stream uses and returns its segments to a
+// backend still there. A harness declares this after the host buffers its copies read or write
+// (destroyed before them: the backend joins its workers) and before what holds its memory.
+struct FuzzDevice {
+  explicit FuzzDevice(size_t capacity)
+      : backend(std::make_shared<GatedBackend>(Options(capacity))),
+        allocator(std::make_unique<CachingAllocator>(backend, AllocatorConfig{})),
+        streams{backend->default_stream(0), backend->create_stream(0)} {}
+  ~FuzzDevice() {
+    allocator.reset();
+    backend.reset();
+  }
+  FuzzDevice(const FuzzDevice&) = delete;
+  FuzzDevice& operator=(const FuzzDevice&) = delete;
+
+  // Lets every held stream go, waits for both and polls the allocator's pending frees: where an
+  // input's end checks that nothing is left behind.
+  void Settle() {
+    backend->ReleaseAll();
+    for (const StreamRef& stream : streams) backend->synchronize_stream(0, stream.handle);
+    allocator->ProcessEvents(0);
+  }
+
+  std::shared_ptr<GatedBackend> backend;
+  std::unique_ptr<CachingAllocator> allocator;
+  std::array<StreamRef, 2> streams;  // the default stream, and another
+
+ private:
+  static SimBackend::Options Options(size_t capacity) {
+    SimBackend::Options options;
+    options.capacity_bytes = capacity;
+    return options;
+  }
 };
 
 }  // namespace spillway::fuzz

@@ -128,20 +128,11 @@ OffloadConfig ConsumeConfig(FuzzedDataProvider& in) {
 
 class Harness {
  public:
-  explicit Harness(const OffloadConfig& config) {
-    SimBackend::Options options;
-    options.capacity_bytes = kCapacity;
-    backend_ = std::make_shared<fuzz::GatedBackend>(options);
-    allocator_ = std::make_unique<CachingAllocator>(backend_, AllocatorConfig{});
-    streams_[0] = backend_->default_stream(0);
-    streams_[1] = backend_->create_stream(0);
-    engine_ = std::make_unique<OffloadEngine>(*allocator_, config);
-  }
+  explicit Harness(const OffloadConfig& config)
+      : engine_(std::make_unique<OffloadEngine>(*device_.allocator, config)) {}
   ~Harness() {
     engine_.reset();
     items_.clear();
-    allocator_.reset();
-    backend_.reset();
   }
 
   void Run(FuzzedDataProvider& in) {
@@ -160,14 +151,13 @@ class Harness {
     }
     while (!scratch_.empty()) FreeScratch(scratch_.size() - 1);
     engine_->Synchronize();
-    for (const StreamRef& stream : streams_) backend_->synchronize_stream(0, stream.handle);
-    allocator_->ProcessEvents(0);
+    device_.Settle();
     Check();
     const OffloadStats stats = engine_->stats();
     FUZZ_CHECK(stats.num_entries == 0);
     FUZZ_CHECK(stats.host_bytes.current == 0);
     FUZZ_CHECK(stats.spilled_bytes.current == 0);
-    FUZZ_CHECK(allocator_->stats(0).allocated_bytes.all().current == 0);
+    FUZZ_CHECK(device_.allocator->stats(0).allocated_bytes.all().current == 0);
   }
 
  private:
@@ -218,12 +208,12 @@ class Harness {
       case kHold: {
         const int stream = in.ConsumeIntegralInRange<int>(0, 1);
         fuzz::Trace("Hold stream %d", stream);
-        backend_->Hold(streams_[stream]);
+        device_.backend->Hold(device_.streams[stream]);
         break;
       }
       case kRelease:
         fuzz::Trace("Release");
-        backend_->ReleaseAll();
+        device_.backend->ReleaseAll();
         break;
       case kScratchAlloc:
         AllocScratch(in);
@@ -255,7 +245,7 @@ class Harness {
     if (items_.size() >= kMaxItems) return;
     std::shared_ptr<FuzzStorage> storage;
     try {
-      storage = std::make_shared<FuzzStorage>(*allocator_, nbytes, streams_[stream]);
+      storage = std::make_shared<FuzzStorage>(*device_.allocator, nbytes, device_.streams[stream]);
     } catch (const OutOfMemoryError&) {
       return;  // the device is full of storages the program holds: legitimate
     }
@@ -265,9 +255,9 @@ class Harness {
     // after producers.
     buffer_.resize(nbytes);
     FillPattern(buffer_.data(), nbytes, seed);
-    backend_->memcpy_async(0, storage->data(), buffer_.data(), nbytes, CopyKind::kHostToDevice,
-                           streams_[stream].handle);
-    backend_->synchronize_stream(0, streams_[stream].handle);
+    device_.backend->memcpy_async(0, storage->data(), buffer_.data(), nbytes,
+                                  CopyKind::kHostToDevice, device_.streams[stream].handle);
+    device_.backend->synchronize_stream(0, device_.streams[stream].handle);
     fuzz::Trace("New item %llu: %zu bytes at %p on stream %d, holders %d",
                 static_cast<unsigned long long>(seed), nbytes, storage->data(), stream, held);
     storage->holders = held ? 1 : 0;
@@ -288,7 +278,7 @@ class Harness {
           made = true;
           return storage;
         },
-        view, streams_[item.stream]);
+        view, device_.streams[item.stream]);
     // A storage of ours is always Spillway's and never empty, so it is always taken; the
     // factory runs for the first view only (one entry per storage).
     FUZZ_CHECK(id.has_value());
@@ -299,7 +289,7 @@ class Harness {
   void Acquire(FuzzedDataProvider& in) {
     Item& item = items_[PickItem(in)];
     const KeeperId id = item.keepers[in.ConsumeIntegralInRange<size_t>(0, item.keepers.size() - 1)];
-    const StreamRef consumer = streams_[in.ConsumeIntegralInRange<int>(0, 1)];
+    const StreamRef consumer = device_.streams[in.ConsumeIntegralInRange<int>(0, 1)];
     fuzz::Trace("Acquire item %llu keeper %llu on stream %llu (%s)",
                 static_cast<unsigned long long>(item.seed), static_cast<unsigned long long>(id),
                 static_cast<unsigned long long>(consumer.id),
@@ -317,13 +307,14 @@ class Harness {
     const size_t n = item.storage->nbytes();
     // The consuming kernel, ordered by Acquire alone, then a host consumer after WaitResident.
     buffer_.resize(n);
-    backend_->memcpy_async(0, buffer_.data(), ptr, n, CopyKind::kDeviceToHost, consumer.handle);
+    device_.backend->memcpy_async(0, buffer_.data(), ptr, n, CopyKind::kDeviceToHost,
+                                  consumer.handle);
     engine_->WaitResident(id);
     FUZZ_CHECK(engine_->DescribeKeeper(id)->residency == Residency::kResident);
     expected_.resize(n);
     FillPattern(expected_.data(), n, item.seed);
     FUZZ_CHECK(std::memcmp(ptr, expected_.data(), n) == 0);
-    backend_->synchronize_stream(0, consumer.handle);
+    device_.backend->synchronize_stream(0, consumer.handle);
     FUZZ_CHECK(buffer_ == expected_);
   }
 
@@ -351,7 +342,7 @@ class Harness {
     if (scratch_.size() >= kMaxScratch) return;
     void* p = nullptr;
     try {
-      p = allocator_->Malloc(size, 0, streams_[stream]);
+      p = device_.allocator->Malloc(size, 0, device_.streams[stream]);
     } catch (const OutOfMemoryError&) {
       return;
     }
@@ -362,10 +353,10 @@ class Harness {
       s.marks[i] = MarkByte(id, i);
       s.marks[kMark + i] = MarkByte(id, size - n + i);
     }
-    backend_->memcpy_async(0, s.ptr, s.marks.get(), n, CopyKind::kHostToDevice,
-                           streams_[stream].handle);
-    backend_->memcpy_async(0, s.ptr + size - n, s.marks.get() + kMark, n, CopyKind::kHostToDevice,
-                           streams_[stream].handle);
+    device_.backend->memcpy_async(0, s.ptr, s.marks.get(), n, CopyKind::kHostToDevice,
+                                  device_.streams[stream].handle);
+    device_.backend->memcpy_async(0, s.ptr + size - n, s.marks.get() + kMark, n,
+                                  CopyKind::kHostToDevice, device_.streams[stream].handle);
     fuzz::Trace("Scratch %llu: %zu bytes at %p on stream %d", static_cast<unsigned long long>(id),
                 size, p, stream);
     scratch_.push_back(std::move(s));
@@ -377,13 +368,14 @@ class Harness {
     fuzz::Trace("FreeScratch %llu", static_cast<unsigned long long>(s.id));
     const size_t n = std::min(s.size, kMark);
     uint8_t got[2 * kMark];
-    const StreamHandle stream = streams_[s.stream].handle;
-    backend_->memcpy_async(0, got, s.ptr, n, CopyKind::kDeviceToHost, stream);
-    backend_->memcpy_async(0, got + kMark, s.ptr + s.size - n, n, CopyKind::kDeviceToHost, stream);
-    backend_->synchronize_stream(0, stream);
+    const StreamHandle stream = device_.streams[s.stream].handle;
+    device_.backend->memcpy_async(0, got, s.ptr, n, CopyKind::kDeviceToHost, stream);
+    device_.backend->memcpy_async(0, got + kMark, s.ptr + s.size - n, n, CopyKind::kDeviceToHost,
+                                  stream);
+    device_.backend->synchronize_stream(0, stream);
     FUZZ_CHECK(std::memcmp(got, s.marks.get(), n) == 0);
     FUZZ_CHECK(std::memcmp(got + kMark, s.marks.get() + kMark, n) == 0);
-    allocator_->Free(s.ptr);
+    device_.allocator->Free(s.ptr);
     scratch_[i] = std::move(scratch_.back());
     scratch_.pop_back();
   }
@@ -431,18 +423,16 @@ class Harness {
     FUZZ_CHECK(stats.spilled_bytes.current == spilled);
     FUZZ_CHECK(stats.host_bytes.current == host);
     FUZZ_CHECK(stats.host_reserved_bytes >= host);
-    FUZZ_CHECK(allocator_->stats(0).allocation.all().current ==
+    FUZZ_CHECK(device_.allocator->stats(0).allocation.all().current ==
                with_memory + static_cast<int64_t>(scratch_.size()));
   }
 
-  std::shared_ptr<fuzz::GatedBackend> backend_;
-  std::unique_ptr<CachingAllocator> allocator_;
+  std::vector<uint8_t> buffer_;  // host side of the producing and consuming kernels
+  std::vector<uint8_t> expected_;
+  fuzz::FuzzDevice device_{kCapacity};  // after buffer_: goes before it
   std::unique_ptr<OffloadEngine> engine_;
-  StreamRef streams_[2];
   std::vector<Item> items_;
   std::vector<Scratch> scratch_;
-  std::vector<uint8_t> expected_;
-  std::vector<uint8_t> buffer_;  // host side of the producing and consuming kernels
   uint64_t next_seed_ = 1;
 };
 
