@@ -48,6 +48,21 @@ void CheckDefaultPool(const MempoolId& id) {
 
 c10::DeviceIndex CurrentDevice() { return c10::cuda::current_device(); }
 
+// c10's own streams (each device's default stream and its pool streams) are created once and
+// never destroyed, so their identity is remembered per thread (CachingAllocator::
+// ResolveLastingStream): no device guard, cudaGetDevice or cudaStreamGetId per malloc, save or
+// unpack. An external stream (torch.cuda.ExternalStream, whose c10 id is its handle: an even,
+// non-zero id, in c10's encoding since torch 2.0) may be destroyed and its handle reused for
+// another stream: it is resolved every time.
+StreamRef ResolveC10Stream(CachingAllocator& alloc, const c10::cuda::CUDAStream& stream) {
+  const auto handle = static_cast<StreamHandle>(stream.stream());
+  const c10::StreamId id = stream.id();
+  if (id != 0 && (id & 1) == 0) {
+    return alloc.backend().resolve_stream(stream.device_index(), handle);
+  }
+  return alloc.ResolveLastingStream(stream.device_index(), handle);
+}
+
 class SpillwayCudaAllocator final : public Base {
  public:
   // Announces an out-of-memory error met inside an offload engine operation (see Guard).
@@ -307,18 +322,8 @@ class SpillwayCudaAllocator final : public Base {
     return Guard([&] { return alloc_.Malloc(size, device, Resolve(stream)); });
   }
 
-  // c10's own streams (each device's default stream and its pool streams) are created once and
-  // never destroyed, so their identity is remembered per thread (CachingAllocator::
-  // ResolveLastingStream): no device guard, cudaGetDevice or cudaStreamGetId per malloc. An
-  // external stream (torch.cuda.ExternalStream, whose c10 id is its handle: an even, non-zero
-  // id, in c10's encoding since torch 2.0) may be destroyed and its handle reused for another
-  // stream: it is resolved every time.
   StreamRef Resolve(const c10::cuda::CUDAStream& stream) {
-    const auto handle = static_cast<StreamHandle>(stream.stream());
-    const c10::StreamId id = stream.id();
-    if (id != 0 && (id & 1) == 0)
-      return alloc_.backend().resolve_stream(stream.device_index(), handle);
-    return alloc_.ResolveLastingStream(stream.device_index(), handle);
+    return ResolveC10Stream(alloc_, stream);
   }
 
   // As PyTorch calls them: the device, the request (PyTorch passes the segment size it tried for
@@ -391,6 +396,11 @@ SpillwayCudaAllocator* SpillwayCudaAllocator::instance = nullptr;
 
 bool HasCudaAllocator() { return true; }
 
+StreamRef CurrentCudaStream(CachingAllocator& allocator, int device) {
+  return ResolveC10Stream(allocator,
+                          c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)));
+}
+
 void NotifyOutOfMemory(const OutOfMemoryError& error) {
   if (SpillwayCudaAllocator::instance != nullptr)
     SpillwayCudaAllocator::instance->AnnounceOutOfMemory(error);
@@ -430,6 +440,10 @@ void InstallCudaAllocator(CachingAllocator& allocator, const std::function<void(
 namespace spillway::torch_layer {
 
 bool HasCudaAllocator() { return false; }
+
+StreamRef CurrentCudaStream(CachingAllocator& /*allocator*/, int /*device*/) {
+  throw InvalidArgumentError("this build of Spillway's torch layer has no CUDA support");
+}
 
 void NotifyOutOfMemory(const OutOfMemoryError& /*error*/) {}
 

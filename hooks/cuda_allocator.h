@@ -25,6 +25,10 @@ namespace spillway::torch_layer {
 
 // True when this build contains the adapter (a CUDA torch >= 2.4).
 bool HasCudaAllocator();
+// The current c10 stream of CUDA device `device`, resolved as the adapter resolves the streams
+// of its allocations: PyTorch's own remembered per thread, an external one each time. Throws
+// InvalidArgumentError in a build without CUDA.
+StreamRef CurrentCudaStream(CachingAllocator& allocator, int device);
 // Runs the adapter's out-of-memory observers (PyTorch's, which may be Python) for `error`, which
 // an allocation inside an offload engine operation (a reload) met: the adapter leaves those to the
 // engine's caller, to call once the operation is over. Nothing without an adapter.

@@ -5,11 +5,8 @@
 #include "absl/strings/str_format.h"
 #include "allocator/errors.h"
 #include "capi/process_allocator.h"
+#include "hooks/cuda_allocator.h"
 #include "hooks/sim_cpu_allocator.h"
-
-#if defined(SPILLWAY_TORCH_CUDA)
-#include <c10/cuda/CUDAStream.h>
-#endif
 
 namespace spillway::torch_layer {
 namespace {
@@ -181,12 +178,9 @@ void Runtime::CheckServes(c10::Device device, const std::string& what) const {
 StreamRef Runtime::CurrentStream(int device) const {
   CachingAllocator& alloc = allocator();
   if (mode() == Mode::kSim) return alloc.backend().default_stream(device);
-#if defined(SPILLWAY_TORCH_CUDA)
-  return alloc.backend().resolve_stream(
-      device, c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream());
-#else
-  throw InvalidArgumentError("this build of Spillway's torch layer has no CUDA support");
-#endif
+  // Each save and each unpack asks: resolved as the allocator's own allocations are, without a
+  // device guard and two runtime calls each time on PyTorch's streams.
+  return CurrentCudaStream(alloc, device);
 }
 
 }  // namespace spillway::torch_layer

@@ -36,6 +36,8 @@ class SavedHandle {
 
  private:
   void CheckVersion() const;
+  // The saved view (sizes, strides, offset, dtype, conj and neg bits) over `storage`.
+  at::Tensor ViewOn(const c10::Storage& storage) const;
 
   at::Tensor kept_;
   // A kept tensor over Spillway's memory: release() and keepers() must see it.

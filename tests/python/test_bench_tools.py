@@ -1,13 +1,14 @@
 """bench/compare_native.py: the table gpu_check.sh prints for native vs Spillway; and
-bench/pipeline_schedules.py runs."""
+bench/pipeline_schedules.py and bench/save_overhead.py run."""
 
 import os
 
 import compare_native
 from conftest import run_script
 
-PIPELINE_SCHEDULES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench",
-                                  "pipeline_schedules.py")
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench")
+PIPELINE_SCHEDULES = os.path.join(BENCH, "pipeline_schedules.py")
+SAVE_OVERHEAD = os.path.join(BENCH, "save_overhead.py")
 
 
 def bench(name, cpu_time, **counters):
@@ -93,3 +94,24 @@ def test_pipeline_schedules_runs_every_schedule_bitwise():
     assert len(rows) == 1 + 6, out.stdout  # the header, then two rows per schedule
     assert all(row.rstrip().endswith("| yes |") for row in rows[1:]), out.stdout
     assert sum("Spillway eager" in row for row in rows) == 3, out.stdout
+
+
+def test_save_overhead_measures_each_scheme_and_spills_only_where_it_says():
+    """bench/save_overhead.py (docs/benchmarks.md), small, in a process of its own: every row's
+    gradient is bitwise the one without hooks, and only the row that spills every save moved bytes
+    to the host (the nothing-spilled row measures the bookkeeping alone)."""
+    out = run_script(f"""
+        import runpy, sys
+        sys.argv = ["save_overhead.py", "--saves", "50", "--repeats", "2"]
+        runpy.run_path({SAVE_OVERHEAD!r}, run_name="__main__")
+    """)
+    assert out.returncode == 0, out.stderr
+    rows = [line.strip("| ").split(" | ") for line in out.stdout.splitlines()
+            if line.startswith("| ") and "---" not in line][1:]
+    assert [row[0] for row in rows] == [
+        "no hooks", "torch identity hooks", "torch save_on_cpu", "Spillway off",
+        "Spillway eager, nothing spilled", "Spillway eager, every save spilled"], out.stdout
+    assert all(row[-1] == "yes" for row in rows), out.stdout
+    to_host = {row[0]: float(row[-2]) for row in rows}
+    assert to_host.pop("Spillway eager, every save spilled") > 0, out.stdout
+    assert set(to_host.values()) == {0.0}, out.stdout

@@ -151,3 +151,17 @@ def test_a_storage_resized_after_its_first_save_is_not_spilled_short():
     assert torch.equal(w.grad, torch.full((512,), 3.0)), w.grad
     assert stat("spillway.skipped.resized") == skipped + 1
     del junk, first
+
+
+def test_a_storage_shrunk_after_the_save_raises_at_unpack_naming_the_bytes():
+    """Unpack builds the saved view on its storage directly (no set_): the view must still fit.
+    A storage shrunk in place after the save has no bytes for it, and backward raises, naming
+    the tensor and both sizes, where reading past the storage's end would be garbage."""
+    w = torch.ones(256, requires_grad=True)
+    buf = torch.ones(256)
+    with spillway.offload("off"):
+        loss = (w * buf).sum()  # saves buf, 1 KiB, for w's gradient
+    buf.untyped_storage().resize_(512)
+    with pytest.raises(RuntimeError, match=r"Float\[256\] cannot be used in backward: its view "
+                                           r"needs 1024 bytes of its storage, which holds 512"):
+        loss.backward()
