@@ -40,7 +40,9 @@
 //        never wait, so they find it only once the failing copy has run on the worker (for example
 //        after a `device_free` on that device, which drains without reporting). A `record_event` or
 //        `memcpy_async` that throws has no effect. A `query_event` that would return true for an
-//        event recorded after the failing copy always finds it, as CUDA's sticky errors are.
+//        event recorded after the failing copy finds it too, unless another call took it first
+//        (each call takes the stream's error as it looks). A stream keeps its first pending
+//        failure only: a second copy failing before anyone looked is not reported on its own.
 //    -1 disarms.
 //  - `fail_event_after(n)`: the n-th subsequent `create_event` or `record_event` call with valid
 //    arguments (1-based, both counted together) throws `BackendError` (operation "create_event" or

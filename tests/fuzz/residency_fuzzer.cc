@@ -429,10 +429,12 @@ class Harness {
 
   std::vector<uint8_t> buffer_;  // host side of the producing and consuming kernels
   std::vector<uint8_t> expected_;
-  fuzz::FuzzDevice device_{kCapacity};  // after buffer_: goes before it
+  std::vector<Scratch> scratch_;  // their marks are the host side of queued copies too
+  // After the host buffers queued copies read or write: the backend, which joins its stream
+  // workers, goes before them.
+  fuzz::FuzzDevice device_{kCapacity};
   std::unique_ptr<OffloadEngine> engine_;
   std::vector<Item> items_;
-  std::vector<Scratch> scratch_;
   uint64_t next_seed_ = 1;
 };
 
