@@ -155,7 +155,9 @@ class SpillwayCudaAllocator final : public Base {
     // Like PyTorch's: storages not allocated here (null, or another allocator's) are ignored.
     if (ptr.get() == nullptr || ptr.get_deleter() != &RawDeleteFn) return;
     // The stream may be another device's, as PyTorch allows (its free then waits on the host).
-    Guard([&] { alloc_.RecordStream(ptr.get(), Resolve(stream), stream.device_index()); });
+    Guard([&] {
+      alloc_.RecordStream(ptr.get(), ResolveC10Stream(alloc_, stream), stream.device_index());
+    });
   }
 
   // --- statistics ---
@@ -319,11 +321,7 @@ class SpillwayCudaAllocator final : public Base {
     return Guard([&] { return alloc_.Malloc(size, device, static_cast<StreamHandle>(stream)); });
   }
   void* Malloc(size_t size, c10::DeviceIndex device, const c10::cuda::CUDAStream& stream) {
-    return Guard([&] { return alloc_.Malloc(size, device, Resolve(stream)); });
-  }
-
-  StreamRef Resolve(const c10::cuda::CUDAStream& stream) {
-    return ResolveC10Stream(alloc_, stream);
+    return Guard([&] { return alloc_.Malloc(size, device, ResolveC10Stream(alloc_, stream)); });
   }
 
   // As PyTorch calls them: the device, the request (PyTorch passes the segment size it tried for

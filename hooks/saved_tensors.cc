@@ -94,9 +94,8 @@ at::Tensor SavedHandle::ViewOn(const c10::Storage& storage) const {
       sizes_, strides_, options_.dtype().itemsize(), static_cast<size_t>(offset_));
   TORCH_CHECK(needed <= storage.nbytes(), "spillway: the saved tensor ", Describe(),
               " cannot be used in backward: its view needs ", needed,
-              " bytes of its storage, "
-              "which holds ",
-              storage.nbytes(), " since it was resized after the save");
+              " bytes of its storage, which holds ", storage.nbytes(),
+              " since it was resized after the save");
   at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(
       c10::Storage(storage), c10::DispatchKeySet(options_.computeDispatchKey()), options_.dtype());
   out.unsafeGetTensorImpl()->set_sizes_and_strides(sizes_, strides_, offset_);

@@ -184,13 +184,14 @@ def test_spill_after_takes_modules():
         spillway.spill_after([torch.zeros(1)])
 
 
-def _compiled_autograd(compiler):
-    """torch's compiled autograd (backward traced by Dynamo and run as a graph): `_enable` in newer
-    releases, `enable` in older ones; None where this torch has neither."""
+def _compiled_autograd():
+    """torch's compiled autograd (backward traced by Dynamo and run as a graph): its context
+    manager, `_enable` in newer releases and `enable` in older ones; None where this torch has
+    neither."""
     from torch._dynamo import compiled_autograd
     for name in ("_enable", "enable"):
         if hasattr(compiled_autograd, name):
-            return getattr(compiled_autograd, name)(compiler)
+            return getattr(compiled_autograd, name)
     return None
 
 
@@ -198,6 +199,9 @@ def test_compiled_autograd_reads_spilled_saves_back_bitwise():
     """Compiled autograd runs backward as a Dynamo graph, which calls the unpack hooks of the saves
     it reads: every spilled save comes back, and the gradients are bitwise those of the ordinary
     backward without offload."""
+    enable = _compiled_autograd()
+    if enable is None:
+        pytest.skip("this torch has no compiled autograd")
     torch.manual_seed(0)
     mlp = _mlp()
     x = torch.randn(512, 256)
@@ -208,10 +212,7 @@ def test_compiled_autograd_reads_spilled_saves_back_bitwise():
         with block:
             loss = mlp(x).square().mean()
         spillway.synchronize()  # every spill's copy done: each save comes back by a reload
-        context = _compiled_autograd(torch.compile(backend="eager")) if compiled else None
-        if context is None and compiled:
-            pytest.skip("this torch has no compiled autograd")
-        with context or contextlib.nullcontext():
+        with enable(torch.compile(backend="eager")) if compiled else contextlib.nullcontext():
             loss.backward()
         return [p.grad.clone() for p in mlp.parameters()]
 
